@@ -1,0 +1,157 @@
+"""The Llama family decoder, written once: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 (qkv bias),
+Qwen3 (q/k RMSNorm). Differences are config flags, never separate code paths."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention import PagedAttention
+from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        o = self.attn(positions, q, k, v, cos_sin_cache)
+        return self.o_proj(o.view(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: silu")
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        cos_sin = self.rotary.cos_sin_cache
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, cos_sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# checkpoint name fragment -> (merged module fragment, shard index)
+_STACKED = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
+            ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [num_rows, vocab]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; q/k/v and gate/up go into their merged layers.
+        Every parameter must be covered, else the checkpoint is reported incomplete."""
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module_name, _, attr = name.rpartition(".")
+            shard = None
+            for ckpt, merged, idx in _STACKED:
+                if f".{ckpt}" in module_name:
+                    module_name, shard = module_name.replace(ckpt, merged), idx
+                    break
+            module = modules.get(module_name)
+            if module is None or attr not in ("weight", "bias"):
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint for {self.config.architecture}")
+            if hasattr(module, "load_shard"):
+                module.load_shard(attr, tensor, shard)
+            else:
+                param = getattr(module, attr)
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                     f"model {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(f"{module_name}.{attr}" + (f"#{shard}" if shard is not None else ""))
+        expected = set()
+        for pname in params:
+            module_name, _, attr = pname.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, MergedLinear):
+                expected.update(f"{pname}#{i}" for i in range(len(module.output_sizes)))
+            else:
+                expected.add(pname)
+        if self.config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
