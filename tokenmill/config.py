@@ -99,3 +99,76 @@ class ModelConfig:
         d["model_type"] = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[self.architecture]
         return d
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    policy: str = "fcfs"                    # "fcfs" | "priority"
+    max_queue_len: int = 4096               # waiting requests beyond this are refused at once
+    long_prefill_token_threshold: int = 0   # a prompt longer than this is "long"; 0 = no cap
+    max_long_partial_prefills: int = 1      # long prompts chunked in at the same time
+    priority_aging_s: float = 10.0          # every this many seconds of waiting raises priority by one level
+    timeout_s: float | None = None          # default per-request deadline
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_queue_len",
+                     "max_long_partial_prefills"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.priority_aging_s <= 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, with vLLM's names; LLM(**kwargs) and the CLI map onto these."""
+
+    model: str | None = None
+    load_format: str = "auto"               # auto | safetensors | gguf | dummy
+    model_preset: str | None = None         # config for load_format="dummy" without a folder
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None      # bytes for the KV pool; default: 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
+    max_queue_len: int = 4096
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
+    priority_aging_s: float = 10.0
+    timeout_s: float | None = None
+    enforce_eager: bool = False
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)

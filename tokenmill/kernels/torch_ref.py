@@ -28,51 +28,59 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[n_blocks, block_size, heads, dim] rows of the cache (index_select with int64 ids: much faster
+    on the CPU than advanced indexing with int32)."""
+    return cache.index_select(0, block_ids.reshape(-1).long())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_query_len: int) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if max_query_len == 1:
         return _paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
     out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
         s, e = starts[i], starts[i + 1]
         if e == s:
             continue
-        k = _gather_context(k_cache, block_tables[i], seq_len).to(q.dtype).transpose(0, 1)
-        v = _gather_context(v_cache, block_tables[i], seq_len).to(q.dtype).transpose(0, 1)
-        qi = q[s:e].transpose(0, 1)
+        nb = (seq_len + block_size - 1) // block_size
+        k = _gather_blocks(k_cache, block_tables[i, :nb]).flatten(0, 1)[:seq_len]
+        v = _gather_blocks(v_cache, block_tables[i, :nb]).flatten(0, 1)[:seq_len]
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
-        out[s:e] = o.transpose(0, 1)
+        out[s:e] = _attend(q[s:e].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask.unsqueeze(0), scale)[0]
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Lq, H, D], k/v [B, Lk, Hkv, D], mask [B, Lq, Lk] (True = attend) -> [B, Lq, H, D].
+    Query heads are grouped under their KV head, so K/V are never repeated."""
+    b, lq, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, lq, hkv, h // hkv, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, (h // hkv) * lq, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).to(q.dtype)).float() * scale  # [B, Hkv, G*Lq, Lk]
+    scores = scores.view(b, hkv, h // hkv, lq, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype).view(b, hkv, (h // hkv) * lq, -1)
+    o = torch.matmul(probs, v.transpose(1, 2).to(q.dtype))  # [B, Hkv, G*Lq, D]
+    return o.view(b, hkv, h // hkv, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence: gather all contexts at once, padded and masked."""
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    nb = (max_len + block_size - 1) // block_size
+    num_seqs = q.shape[0]
+    block_size = k_cache.shape[1]
+    nb = (int(seq_lens.max()) + block_size - 1) // block_size
     tables = block_tables[:, :nb]
-    k = k_cache[tables].view(num_seqs, nb * block_size, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-    v = v_cache[tables].view(num_seqs, nb * block_size, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    k = _gather_blocks(k_cache, tables).view(num_seqs, nb * block_size, *k_cache.shape[2:])
+    v = _gather_blocks(v_cache, tables).view(num_seqs, nb * block_size, *v_cache.shape[2:])
     mask = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=num_heads != num_kv_heads)
-    return o.squeeze(2)
+    return _attend(q.unsqueeze(1), k, v, mask.unsqueeze(1), scale).squeeze(1)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,0 +1,52 @@
+"""Greedy output of the real default model must not depend on how requests are batched, chunked,
+paged or preempted, and must equal Hugging Face transformers' greedy decoding."""
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(chat_prompt_ids):
+    """Each prompt run alone, default settings."""
+    llm = LLM(dtype="float32")
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in chat_prompt_ids]
+
+
+def test_matches_transformers_greedy(chat_prompt_ids, reference, default_model_path):
+    import os
+
+    from transformers import AutoModelForCausalLM
+    folder, name = os.path.split(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    for ids, ours in zip(chat_prompt_ids, reference):
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
+        assert out[0, len(ids):].tolist() == ours
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(),                                        # all prompts batched together
+    dict(max_num_batched_tokens=16),               # chunked prefill forced on
+    dict(block_size=1),
+    dict(block_size=32),
+    dict(enable_prefix_caching=False, block_size=16, max_num_batched_tokens=7),
+])
+def test_batched_equals_alone(chat_prompt_ids, reference, engine_kwargs):
+    llm = LLM(dtype="float32", **engine_kwargs)
+    outs = llm.generate(chat_prompt_ids, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_forced_preemption_keeps_output(chat_prompt_ids, reference):
+    from tokenmill.runner.model_runner import kv_bytes_per_token
+    llm = LLM(dtype="float32", max_model_len=256)
+    per_token = kv_bytes_per_token(llm.llm_engine.model_config, torch.float32)
+    # room for ~70 tokens in blocks of 16: the four requests (~40 + 24 tokens each) cannot all run
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory=per_token * 16 * 6)
+    outs = llm.generate(chat_prompt_ids, GREEDY)
+    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert llm.llm_engine.get_stats()["num_blocks_free"] == llm.llm_engine.get_stats()["num_blocks_total"]

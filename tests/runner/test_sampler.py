@@ -1,0 +1,81 @@
+import math
+
+import torch
+
+from tokenmill.request import Request
+from tokenmill.runner.sampler import Sampler
+from tokenmill.sampling_params import SamplingParams
+
+
+def req(i, **kw):
+    return Request(f"r{i}", [1, 2, 3], SamplingParams(**kw))
+
+
+def make(vocab=8):
+    return Sampler(vocab, eos_token_ids=[0], device=torch.device("cpu"), seed=0)
+
+
+def test_greedy_and_top_k_1_pick_argmax():
+    logits = torch.randn(3, 8)
+    out = make()(logits.clone(), [req(0, temperature=0), req(1, top_k=1), req(2, temperature=0)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_request_same_tokens_whatever_the_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 8).repeat(5, 1)
+    s1, s2 = make(), make()
+    alone = [s1(logits[:1].clone(), [req(0, temperature=1.0, seed=42)]).token_ids[0] for _ in range(20)]
+    batched = []
+    for _ in range(20):
+        reqs = [req(1, temperature=1.0), req(0, temperature=1.0, seed=42), req(2, temperature=0.5)]
+        batched.append(s2(logits[:3].clone(), reqs).token_ids[1])
+    assert alone == batched
+
+
+def test_sampling_follows_softmax_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -9, -9, -9]])
+    s = make()
+    n = 6000
+    counts = torch.zeros(8)
+    for _ in range(n // 200):
+        out = s(logits.repeat(200, 1), [req(i, temperature=0.7) for i in range(200)])
+        counts += torch.bincount(torch.tensor(out.token_ids), minlength=8)
+    p = torch.softmax(logits[0] / 0.7, -1)
+    chi2 = float((((counts - n * p) ** 2) / (n * p).clamp_min(1e-9))[:5].sum())
+    assert chi2 < 20.5  # 4 degrees of freedom, p = 0.0004
+
+
+def test_top_p_and_min_p_restrict_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05, 0, 0, 0]]) + 1e-12)
+    s = make()
+    toks = set(s(logits.repeat(500, 1), [req(i, top_p=0.75) for i in range(500)]).token_ids)
+    assert toks == {0, 1}
+    toks = set(s(logits.repeat(500, 1), [req(i, min_p=0.3) for i in range(500)]).token_ids)
+    assert toks == {0, 1}
+    toks = set(s(logits.repeat(500, 1), [req(i, top_k=3) for i in range(500)]).token_ids)
+    assert toks == {0, 1, 2}
+
+
+def test_penalties_and_min_tokens():
+    s = make()
+    logits = torch.tensor([[5.0, 4.9, 0, 0, 0, 0, 0, 0]])
+    r = req(0, temperature=0, min_tokens=2)
+    assert s(logits.clone(), [r]).token_ids == [1]  # eos (0) suppressed before min_tokens
+    r = Request("x", [1], SamplingParams(temperature=0, repetition_penalty=2.0))
+    assert s(torch.tensor([[0.0, 4.0, 3.0, 0, 0, 0, 0, 0]]), [r]).token_ids == [2]
+    r = Request("y", [5], SamplingParams(temperature=0, frequency_penalty=2.0))
+    r.append_token(1)
+    r.append_token(1)
+    assert s(torch.tensor([[0.0, 4.0, 3.0, 0, 0, 0, 0, 0]]), [r]).token_ids == [2]
+
+
+def test_logprobs_are_log_softmax_with_top_k():
+    logits = torch.randn(1, 8)
+    out = make()(logits.clone(), [req(0, temperature=0, logprobs=3)])
+    lp = torch.log_softmax(logits[0], -1)
+    entry = out.logprobs[0]
+    assert entry.token_id == out.token_ids[0]
+    assert math.isclose(entry.logprob, float(lp.max()), rel_tol=1e-5)
+    assert list(entry.top) == lp.topk(3).indices.tolist()

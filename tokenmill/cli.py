@@ -1,0 +1,120 @@
+"""The `tokenmill` command: generate | chat | serve | bench | quantize | quant-eval | simulate | plan.
+Each subcommand parses its options and calls into the package; no logic lives here."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
+
+# subcommand -> module with add_parser(subparsers) that sets `func` on its parser
+EXTRA_COMMANDS = ["tokenmill.serve.cli", "tokenmill.bench.cli", "tokenmill.quant.cli", "tokenmill.sim.cli",
+                  "tokenmill.plan"]
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens, -1 = all")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty on tokens already present")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty")
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from tokenmill.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                          min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
+                          presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
+                          seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos)
+
+
+def stream(engine, prompt, params, out=sys.stdout) -> str:
+    """Print a request's text as it is produced; returns the whole text."""
+    rid = engine.add_request(None, prompt, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid:
+                out.write(o.outputs[0].delta_text)
+                out.flush()
+                text = o.outputs[0].text
+    out.write("\n")
+    return text
+
+
+def cmd_generate(ns: argparse.Namespace) -> None:
+    from tokenmill.engine.llm_engine import LLMEngine
+    engine = LLMEngine(engine_args_from(ns))
+    params = sampling_params_from(ns)
+    prompt = ns.prompt
+    if ns.chat_template:
+        tok = engine.tokenizer
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
+    stream(engine, prompt, params)
+
+
+def cmd_chat(ns: argparse.Namespace) -> None:
+    from tokenmill.engine.llm_engine import LLMEngine
+    engine = LLMEngine(engine_args_from(ns))
+    tok, params = engine.tokenizer, sampling_params_from(ns)
+    messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    print("tokenmill chat: type a message, /reset to start over, /exit or Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = messages[:1] if ns.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        answer = stream(engine, ids, params)
+        messages.append({"role": "assistant", "content": answer})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt as a user message in the model's chat template (default: on)")
+    add_sampling_args(g)
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive multi-turn chat using the model's chat template")
+    c.add_argument("--system", default=None, help="system message")
+    add_sampling_args(c)
+    add_engine_args(c)
+    c.set_defaults(func=cmd_chat)
+    for mod in EXTRA_COMMANDS:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    ns.func(ns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Block pool and per-request block tables for the paged KV cache, with prefix caching.
+
+Block 0 is a reserved null block (padding in block tables); it is never handed out.
+A block is *free* (ref_cnt 0, in the free queue, maybe still holding a reusable hash) or *in use*
+(ref_cnt >= 1, owned by that many requests). The free queue is the LRU list: blocks are taken from its
+front, and a cached block is evicted (its hash dropped) only when taken. Full blocks are identified by
+a chained hash of (parent hash, token ids); a hit is confirmed by comparing the token ids.
+Only full blocks are ever shared, and a full block is never written again, so sharing needs no copy:
+the partial last block of each request is always its own.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tokenmill.request import Request
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (1 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[int, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (never-used and cached-but-unreferenced)."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the LRU tail in the given order."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached[block_hash] = block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0      # of which found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.pool.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks referenced by requests."""
+        return 1.0 - self.pool.num_free_blocks / self.usable_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(request.all_token_ids[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request (at most num_tokens - 1 tokens: the last token is
+        always computed, so there are logits to sample from)."""
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = self._block_hashes(request, max_blocks)
+        hits: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+        """Make room for num_new_tokens more tokens (after any prefix-cache hits). False if the pool is
+        short; then nothing changes."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(blocks) - len(new_computed_blocks)
+        reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if need > 0:
+            blocks.extend(self.pool.get_new_blocks(need))
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, total)
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register blocks that will be full once this step's tokens are written. Safe because a
+        scheduled request is never unscheduled within its step, and K/V are written before attention."""
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        bs = self.block_size
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; tail blocks first into the LRU so they are evicted first."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.pool.free_queue.values():
+            block.block_hash, block.token_ids = None, None
+        self.pool.cached = {h: b for h, b in self.pool.cached.items() if b.ref_cnt > 0}
+
+    def check_invariants(self) -> None:
+        """free + in use == usable blocks; ref counts equal the number of tables holding each block."""
+        refs = [0] * self.pool.num_blocks
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] += 1
+        in_use = 0
+        for b in self.pool.blocks[1:]:
+            assert b.ref_cnt == refs[b.block_id], f"block {b.block_id}: ref_cnt {b.ref_cnt} != {refs[b.block_id]} tables"
+            in_queue = b.block_id in self.pool.free_queue
+            assert in_queue == (b.ref_cnt == 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}, in free queue {in_queue}"
+            in_use += b.ref_cnt > 0
+        assert self.pool.num_free_blocks + in_use == self.usable_blocks
+        for h, b in self.pool.cached.items():
+            assert b.block_hash == h

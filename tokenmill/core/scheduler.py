@@ -1,0 +1,233 @@
+"""Iteration-level scheduler: every step picks a mixed batch of decode tokens and prompt chunks
+under a token budget, admits waiting requests as blocks allow, and preempts when blocks run out.
+
+There is no prefill phase and decode phase: each request has num_computed_tokens catching up with
+num_tokens, and a step gives it as many tokens as the budget allows (chunked prefill)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue_len; the server answers 429."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so it yields logits to sample."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    timed_out: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_aborts: int = 0
+    num_timeouts: int = 0
+    num_rejected: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Reject, with the reason, a request that could never run."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; at least one token is required")
+        if num_prompt_tokens >= limit:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens but the maximum context length "
+                             f"(max_model_len) is {limit}, which must also leave room for at least one new token")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt_tokens + max_tokens} exceeds the maximum context length {limit}")
+        max_len = min(num_prompt_tokens + (max_tokens or limit), limit)
+        need = self.kv_cache.blocks_needed(max_len)
+        if need > self.kv_cache.usable_blocks:
+            raise ValueError(f"the request may grow to {max_len} tokens, {need} KV blocks, but the whole cache has "
+                             f"{self.kv_cache.usable_blocks}; raise kv_cache_memory, lower max_tokens or "
+                             "shorten the prompt")
+
+    def add_request(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_queue_len:
+            self.stats.num_rejected += 1
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
+        self.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ---- one step --------------------------------------------------------------------------
+    def _waiting_order(self, now: float) -> list[Request]:
+        if self.config.policy == "fcfs":
+            return sorted(self.waiting, key=lambda r: r.arrival_time)
+        aging = self.config.priority_aging_s
+        return sorted(self.waiting, key=lambda r: (r.priority - (now - r.arrival_time) // aging, r.arrival_time))
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """Whom to preempt: the newest (fcfs) or the least urgent, then newest (priority)."""
+        if self.config.policy == "fcfs":
+            return max(candidates, key=lambda r: r.arrival_time)
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.append(request)
+
+    def _cap(self, num_new: int, budget: int, long_slots: list[int]) -> int:
+        """Apply the token budget and the long-prompt cap; 0 means 'not this step'."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            if long_slots[0] <= 0:
+                return 0
+            long_slots[0] -= 1
+            num_new = threshold
+        return min(num_new, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        now = time.monotonic()
+        for req in [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]:
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED, reason="timeout")
+            self.stats.num_timeouts += 1
+            out.timed_out.append(req)
+        if self.config.policy == "priority":
+            self._preempt_for_urgent(now, out)
+        budget = self.config.max_num_batched_tokens
+        long_slots = [self.config.max_long_partial_prefills]
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget, long_slots)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv_cache.allocate_slots(req, num_new):
+                victim = self._victim([r for r in self.running if r.request_id not in scheduled_ids])
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+                i = self.running.index(req)
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+                i += 1
+        if not out.preempted:
+            self._admit(now, budget, long_slots, out)
+        for s in out.scheduled:
+            if s.request.num_computed_tokens < s.request.num_prompt_tokens:
+                out.num_prefill_tokens += s.num_new_tokens
+            else:
+                out.num_decode_tokens += s.num_new_tokens
+        return out
+
+    def _admit(self, now: float, budget: int, long_slots: list[int], out: SchedulerOutput) -> None:
+        for req in self._waiting_order(now):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            computed, num_hit = self.kv_cache.get_computed_blocks(req)
+            num_new = self._cap(req.num_tokens - num_hit, budget, long_slots)
+            if num_new <= 0:
+                continue
+            if not self.kv_cache.allocate_slots(req, num_new, computed):
+                break
+            if req.status == RequestStatus.WAITING:
+                self.kv_cache.prefix_queries += req.num_prompt_tokens
+                self.kv_cache.prefix_hits += num_hit
+                req.num_cached_tokens = num_hit
+                req.metrics.first_scheduled_time = now
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.waiting.remove(req)
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    def _preempt_for_urgent(self, now: float, out: SchedulerOutput) -> None:
+        """Under the priority policy, free blocks for the most urgent waiting request by preempting
+        strictly less urgent running ones, before anything is scheduled this step."""
+        if not self.waiting or not self.running:
+            return
+        head = self._waiting_order(now)[0]
+        need = self.kv_cache.blocks_needed(min(head.num_tokens, self.config.max_num_batched_tokens) + 1)
+        while self.kv_cache.num_free_blocks < need or len(self.running) >= self.config.max_num_seqs:
+            victim = self._victim(self.running)
+            if victim.priority <= head.priority:
+                return
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if not self.running:
+                return
+
+    # ---- after the forward -----------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is not None:
+                req.append_token(token)
+
+    def finish_request(self, request: Request, status: RequestStatus, reason: int | str | None = None) -> None:
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        if reason is not None:
+            request.stop_reason = reason
+        self.requests.pop(request.request_id, None)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED, reason="abort")
+        self.stats.num_aborts += 1
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)

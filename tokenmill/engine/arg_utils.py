@@ -1,0 +1,68 @@
+"""Engine options on the command line, generated from EngineArgs so the two never drift apart."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from tokenmill.config import EngineArgs
+
+_HELP = {
+    "model": "HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
+    "load_format": "auto | safetensors | gguf | dummy (random weights)",
+    "model_preset": "architecture preset for --load-format dummy (llama-3-8b, qwen3-0.6b, ...)",
+    "tokenizer": "tokenizer folder or GGUF (default: the model's)",
+    "dtype": "compute dtype: auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bf16 on CUDA)",
+    "device": "auto | cpu | cuda",
+    "seed": "seed of the engine's random generator",
+    "max_model_len": "maximum context (prompt + output) per request",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory": "bytes for the KV cache pool (default 1 GiB on CPU)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights + activations + KV)",
+    "num_gpu_blocks_override": "fix the number of KV blocks",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "max_num_seqs": "maximum running requests",
+    "scheduling_policy": "fcfs | priority",
+    "max_queue_len": "maximum waiting requests; more are refused",
+    "long_prefill_token_threshold": "prompts longer than this get at most this many tokens per step (0: off)",
+    "max_long_partial_prefills": "long prompts prefilled concurrently",
+    "priority_aging_s": "seconds of waiting that raise a request's priority by one level",
+    "timeout_s": "default per-request deadline in seconds",
+    "enforce_eager": "disable CUDA graphs",
+    "quantization": "weight quantization: int8 | int4",
+    "kv_cache_dtype": "auto | fp8 | int8",
+    "speculative": "ngram | draft:<model>",
+    "num_speculative_tokens": "tokens proposed per speculative step",
+    "tensor_parallel_size": "GPUs (or CPU processes) to split the model over",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=_HELP[f.name])
+            continue
+        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        if base is int and f.name == "kv_cache_memory":
+            base = parse_bytes
+        parser.add_argument(flag, dest=f.name, type=base, default=f.default, help=f"{_HELP[f.name]} (default: %(default)s)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1GiB', '512MiB', '2GB'."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+             "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
+    t = text.strip().lower()
+    for u, mult in units.items():
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * mult)
+    return int(float(t))

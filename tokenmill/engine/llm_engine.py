@@ -1,0 +1,278 @@
+"""LLMEngine: add_request / step / abort_request. Synchronous and single-threaded; the async server
+loop drives it from one background task."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.config import EngineArgs, SchedulerConfig, parse_dtype
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from tokenmill.engine.detokenizer import Detokenizer, check_stop
+from tokenmill.model.loader import load_model, load_model_config, resolve_model
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine", "QueueFullError"]
+
+
+@dataclass
+class _Group:
+    """The n samples of one user request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[Detokenizer]
+    sent_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_reqs: int = 0
+    num_decode_reqs: int = 0
+    step_time: float = 0.0
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but CUDA is not available; use device='cpu'")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return parse_dtype(checkpoint_dtype)
+    return torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        torch.manual_seed(args.seed)
+        self.device = pick_device(args.device)
+        model_path = resolve_model(args.model) if args.load_format != "dummy" or args.model else None
+        self.model_path = model_path
+        self.model_config = load_model_config(model_path, args.load_format, args.model_preset)
+        self.dtype = pick_dtype(args.dtype, self.model_config.torch_dtype, self.device)
+        max_len = args.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                             f"{self.model_config.max_position_embeddings}")
+        self.max_model_len = max_len
+        tok_path = args.tokenizer or model_path
+        self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if tok_path else None
+        eos = list(self.model_config.eos_token_id)
+        if self.tokenizer is not None:
+            eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
+        self.eos_token_ids = eos
+        model = load_model(self.model_config, model_path, args.load_format, self.dtype, self.device, seed=args.seed)
+        self.runner = ModelRunner(model, self.model_config, args, self.device, self.dtype, max_len, eos)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=max_len, policy=args.scheduling_policy, max_queue_len=args.max_queue_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_long_partial_prefills=args.max_long_partial_prefills,
+            priority_aging_s=args.priority_aging_s, timeout_s=args.timeout_s), self.kv_cache)
+        self.groups: dict[str, _Group] = {}
+        self.child_to_group: dict[str, _Group] = {}
+        self._pending: dict[str, _Group] = {}   # groups with something to report at the next step
+        self.last_step = StepStats()
+        self.num_generation_tokens = 0
+        self.num_prompt_tokens = 0
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineArgs(**kwargs))
+
+    # ---- requests ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (dummy weights): pass token ids, not text")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        return None, list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, timeout_s: float | None = None) -> str:
+        """Queue a request; raises ValueError for bad input and QueueFullError when the queue is full."""
+        params = sampling_params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, ids = self.encode_prompt(prompt)
+        self.scheduler.check_request(len(ids), params.max_tokens)
+        if len(self.scheduler.waiting) + params.n > self.scheduler.config.max_queue_len:
+            self.scheduler.stats.num_rejected += 1
+            raise QueueFullError(f"the waiting queue is full ({self.scheduler.config.max_queue_len} requests); "
+                                 "retry later")
+        timeout = timeout_s if timeout_s is not None else self.args.timeout_s
+        now = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = SamplingParams(**{**params.__dict__, "n": 1,
+                                                 "seed": None if params.seed is None else params.seed + i})
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, ids, child_params, now, priority, request_id, i, timeout))
+        group = _Group(request_id, text, ids, children, [Detokenizer(self.tokenizer, c) for c in children]
+                       if self.tokenizer is not None else [], [0] * params.n)
+        for c in children:
+            self.scheduler.add_request(c)
+            self.child_to_group[c.request_id] = group
+        self.groups[request_id] = group
+        self.num_prompt_tokens += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort (all samples of) a request now: its blocks are freed before this call returns."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            for c in group.children:
+                if not c.is_finished:
+                    self.scheduler.abort_request(c.request_id)
+                    self.runner.sampler.forget(c.request_id)
+            self._pending[rid] = group
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        for req in out.timed_out:
+            self._pending[req.parent_id] = self.child_to_group[req.request_id]
+        if not out.is_empty:
+            block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
+            result = self.runner.execute(out, block_ids)
+            sampled_reqs = [s.request for s in out.scheduled if s.samples]
+            sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
+            self.scheduler.update_from_output(out, sampled)
+            now = time.monotonic()
+            for req, lp in zip(sampled_reqs, result.logprobs):
+                self._process_token(req, lp, now)
+        self._record_step(out, time.perf_counter() - t0)
+        return self._collect_outputs()
+
+    def _process_token(self, req: Request, logprob: Any, now: float) -> None:
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.num_generated += 1
+        self.num_generation_tokens += 1
+        if req.logprobs is not None and logprob is not None:
+            req.logprobs.append(logprob)
+        group = self.child_to_group[req.request_id]
+        stop = check_stop(req, self.eos_token_ids, self.max_model_len)
+        if group.detokenizers:
+            detok = group.detokenizers[req.index]
+            before = len(req.output_text)
+            detok.append(1)
+            hit = detok.check_stop_string(len(req.output_text) - before)
+            if hit is not None:
+                stop = (RequestStatus.FINISHED_STOPPED, hit)
+        if stop is not None:
+            self.scheduler.finish_request(req, stop[0], stop[1])
+            self.runner.sampler.forget(req.request_id)
+            m.finished_time = now
+        self._pending[group.request_id] = group
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for rid, group in self._pending.items():
+            completions = []
+            for i, c in enumerate(group.children):
+                text = group.detokenizers[i].streamable_text() if group.detokenizers else ""
+                delta_text = text[c.sent_text_len:]
+                c.sent_text_len = len(text)
+                delta_ids = c.output_token_ids[c.sent_token_len:]
+                c.sent_token_len = c.num_output_tokens
+                completions.append(CompletionOutput(
+                    index=i, text=text, token_ids=list(c.output_token_ids),
+                    finish_reason=c.status.value if c.is_finished else None, stop_reason=c.stop_reason,
+                    logprobs=c.logprobs, delta_text=delta_text, delta_token_ids=delta_ids))
+            finished = all(c.is_finished for c in group.children)
+            first = group.children[0]
+            outputs.append(RequestOutput(rid, group.prompt, group.prompt_token_ids, completions, finished,
+                                         first.metrics, first.num_cached_tokens,
+                                         error=first.error))
+            if finished:
+                self.groups.pop(rid, None)
+                for c in group.children:
+                    self.child_to_group.pop(c.request_id, None)
+        self._pending = {}
+        return outputs
+
+    def _record_step(self, out: SchedulerOutput, elapsed: float) -> None:
+        s = self.last_step
+        s.num_prefill_tokens, s.num_decode_tokens = out.num_prefill_tokens, out.num_decode_tokens
+        s.num_decode_reqs = sum(1 for x in out.scheduled
+                                if x.request.num_computed_tokens - x.num_new_tokens >= x.request.num_prompt_tokens)
+        s.num_prefill_reqs = len(out.scheduled) - s.num_decode_reqs
+        s.step_time = elapsed
+
+    def get_stats(self) -> dict[str, Any]:
+        kv, sch = self.kv_cache, self.scheduler
+        return {
+            "num_running": len(sch.running),
+            "num_waiting": len(sch.waiting),
+            "num_preempted_waiting": sum(1 for r in sch.waiting if r.status == RequestStatus.PREEMPTED),
+            "num_blocks_total": kv.usable_blocks,
+            "num_blocks_free": kv.num_free_blocks,
+            "num_blocks_cached": kv.pool.num_cached_free_blocks,
+            "block_size": kv.block_size,
+            "kv_cache_usage": kv.usage,
+            "kv_cache_used_tokens": (kv.usable_blocks - kv.num_free_blocks) * kv.block_size,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "num_preemptions": sch.stats.num_preemptions,
+            "num_aborts": sch.stats.num_aborts,
+            "num_timeouts": sch.stats.num_timeouts,
+            "num_rejected": sch.stats.num_rejected,
+            "prompt_tokens_total": self.num_prompt_tokens,
+            "generation_tokens_total": self.num_generation_tokens,
+            "last_step_prefill_tokens": self.last_step.num_prefill_tokens,
+            "last_step_decode_tokens": self.last_step.num_decode_tokens,
+            "last_step_prefill_reqs": self.last_step.num_prefill_reqs,
+            "last_step_decode_reqs": self.last_step.num_decode_reqs,
+            "last_step_time_s": self.last_step.step_time,
+        }

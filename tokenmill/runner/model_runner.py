@@ -1,0 +1,138 @@
+"""ModelRunner: owns the model and the KV cache tensors, turns a scheduled step into flat batch tensors
+(input ids, positions, slot mapping, block tables), runs the forward (a CUDA graph for decode steps when
+one fits), and samples."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineArgs, ModelConfig
+from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
+from tokenmill.runner.cuda_graph import CUDAGraphRunner
+from tokenmill.runner.sampler import Sampler, SamplerOutput
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, args: EngineArgs, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, eos_token_ids: list[int]) -> None:
+        self.model, self.config, self.args = model, model_config, args
+        self.device, self.dtype = device, dtype
+        self.block_size = args.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        self.kv_dtype = dtype
+        self.num_blocks = self._num_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler(model_config.vocab_size, eos_token_ids, device, args.seed)
+        self.graphs: CUDAGraphRunner | None = None
+        if device.type == "cuda" and not args.enforce_eager:
+            self.graphs = CUDAGraphRunner(self, args.max_num_seqs)
+
+    # ---- memory -----------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        per_block = kv_bytes_per_token(self.config, self.kv_dtype) * self.block_size
+        if self.args.num_gpu_blocks_override:
+            return self.args.num_gpu_blocks_override
+        if self.args.kv_cache_memory is not None:
+            budget = self.args.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_free_memory()
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = int(budget // per_block)
+        if num_blocks < 2:
+            raise ValueError(f"the KV budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
+                             "at least 2 are needed")
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_free_memory(self) -> int:
+        """Run the worst-case prefill batch once, then give the KV pool what utilization leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.args.max_num_batched_tokens, self.max_model_len)
+        for m in self.model.modules():
+            if isinstance(m, PagedAttention):
+                m.k_cache = torch.zeros(2, self.block_size, m.num_kv_heads, m.head_dim, dtype=self.kv_dtype,
+                                        device=self.device)
+                m.v_cache = torch.zeros_like(m.k_cache)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            max_query_len=n, max_seq_len=n)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with forward_context(meta):
+            hidden = self.model(ids, torch.arange(n, device=self.device))
+            self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        in_use_by_others = total - free - torch.cuda.memory_reserved()
+        return int(total * self.args.gpu_memory_utilization - peak - max(in_use_by_others, 0))
+
+    def _allocate_kv_cache(self) -> None:
+        c = self.config
+        shape = (2, c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        for i, m in enumerate(layers):
+            m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # ---- one step ---------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, block_ids: list[list[int]]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat batch tensors for a step; returns input ids, positions, metadata and the indices of the
+        rows whose logits are sampled."""
+        bs = self.block_size
+        ids, pos, slots, qsl, seq_lens, sample_rows = [], [], [], [0], [], []
+        for s, blocks in zip(out.scheduled, block_ids):
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            ids.extend(r.all_token_ids[start:end])
+            p = np.arange(start, end)
+            pos.append(p)
+            slots.append(np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                sample_rows.append(qsl[-1] - 1)
+        max_blocks = max(len(b) for b in block_ids)
+        tables = np.zeros((len(block_ids), max_blocks), dtype=np.int32)
+        for i, b in enumerate(block_ids):
+            tables[i, : len(b)] = b
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_seq_len=max(seq_lens))
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
+        return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SamplerOutput:
+        input_ids, positions, meta, sample_rows = self.prepare(out, block_ids)
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(len(out.scheduled), meta):
+            hidden = self.graphs.replay(input_ids, positions, meta)[: len(out.scheduled)]
+        else:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions)
+        reqs = [s.request for s in out.scheduled if s.samples]
+        if not reqs:
+            return SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return self.sampler(logits, reqs)

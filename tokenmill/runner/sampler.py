@@ -1,0 +1,122 @@
+"""Batched sampling on the device: penalties, temperature, top-k / top-p / min-p, per-request seeds,
+logprobs. Sampling uses the exponential-race form (argmax of p / Exp(1) noise) so a seeded request
+draws its noise from its own generator and gets the same tokens whatever batch it is in."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.outputs import Logprob
+from tokenmill.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    def _request_generator(self, req: Request) -> torch.Generator:
+        gen = self.request_generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(req.sampling_params.seed)
+            self.request_generators[req.request_id] = gen
+        return gen
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.sampling_params.repetition_penalty != 1.0
+                or r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty]
+        for i in rows:
+            p = reqs[i].sampling_params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(reqs[i].all_token_ids)), device=logits.device, dtype=torch.long)
+                seen = seen[seen < row.shape[0]]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and reqs[i].output_token_ids:
+                out = torch.tensor(reqs[i].output_token_ids, device=logits.device, dtype=torch.long)
+                counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _suppress_stop_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Before min_tokens outputs, EOS and stop token ids cannot be chosen."""
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                ids = [t for t in ids if t < logits.shape[1]]
+                if ids:
+                    logits[i, ids] = float("-inf")
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """logits: float32 [len(reqs), vocab] (rows past vocab_size, if any, are cut)."""
+        logits = logits[:, : self.vocab_size]
+        want_logprobs = [r.sampling_params.logprobs for r in reqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+        self._apply_penalties(logits, reqs)
+        self._suppress_stop_tokens(logits, reqs)
+        params = [r.sampling_params for r in reqs]
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+            scaled = logits / temps[:, None]
+            scaled = self._filter(scaled, params)
+            probs = torch.softmax(scaled, dim=-1)
+            noise = torch.empty_like(probs)
+            unseeded = [i for i, p in enumerate(params) if p.seed is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_(
+                    generator=self.generator)
+            for i, r in enumerate(reqs):
+                if params[i].seed is not None:
+                    noise[i].exponential_(generator=self._request_generator(r))
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        logprobs: list[Logprob | None] = [None] * len(reqs)
+        if raw_logprobs is not None:
+            for i, k in enumerate(want_logprobs):
+                if k is None:
+                    continue
+                row = raw_logprobs[i]
+                top = {}
+                if k > 0:
+                    vals, idx = row.topk(k)
+                    top = dict(zip(idx.tolist(), vals.tolist()))
+                logprobs[i] = Logprob(token_list[i], float(row[token_list[i]]), top)
+        return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
+        """top-k, then top-p, then min-p, as vLLM orders them."""
+        top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if all(k >= logits.shape[1] for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
+            return logits
+        dev = logits.device
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1], device=dev)[None, :]
+        k = torch.tensor(top_k, device=dev)[:, None]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+        p = torch.tensor(top_p, device=dev)[:, None]
+        sorted_logits = sorted_logits.masked_fill(cum >= p, float("-inf"))
+        mp = torch.tensor(min_p, device=dev)[:, None]
+        sorted_logits = sorted_logits.masked_fill(probs < mp * probs[:, :1], float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)

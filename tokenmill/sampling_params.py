@@ -1,0 +1,77 @@
+"""SamplingParams: what a request asks of the sampler, validated with clear errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @staticmethod
+    def _fail(name: str, value: object, allowed: str) -> None:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+    def _validate(self) -> None:
+        def is_num(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            self._fail("n", self.n, "an integer >= 1")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            self._fail("temperature", self.temperature, "a number in [0, 100]")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            self._fail("top_p", self.top_p, "a number in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            self._fail("top_k", self.top_k, "-1 or 0 (disabled) or an integer >= 1")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            self._fail("min_p", self.min_p, "a number in [0, 1]")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            self._fail("repetition_penalty", self.repetition_penalty, "a number in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                self._fail(name, v, "a number in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2 ** 63):
+            self._fail("seed", self.seed, "None or an integer in [0, 2**63)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            self._fail("max_tokens", self.max_tokens, "None or an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            self._fail("min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            self._fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            self._fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 20):
+            self._fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1

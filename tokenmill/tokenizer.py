@@ -1,0 +1,231 @@
+"""Text <-> token ids and chat prompts, over a `tokenizers.Tokenizer`, built from a Hugging Face folder
+(tokenizer.json + tokenizer_config.json) or rebuilt from a GGUF file's vocabulary, so that both give the ids
+transformers' AutoTokenizer gives."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+from tokenmill.model.gguf_loader import gguf_eos_ids, gguf_field, open_gguf
+from tokenmill.model.hf_loader import generation_eos_ids, read_json
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+# tokenizer.ggml.pre -> the split regex its merges were learned with (the names transformers knows);
+# any other value keeps byte-level BPE's GPT-2 split.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """The sandboxed environment Hugging Face chat templates are written for (same options and helpers)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """encode/decode and chat templating. BOS/EOS insertion lives in the backend's post-processor, so
+    `encode(text, add_special_tokens=True)` adds exactly what the model's tokenizer config asks for."""
+
+    def __init__(self, backend: Backend, special_tokens: dict[str, str], eos_token_ids: list[int],
+                 chat_template: str | None = None) -> None:
+        self.backend = backend
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self.chat_template = chat_template
+        self._template = _compile_chat_template(chat_template) if chat_template else None
+        eos = self.token_to_id(self.special_tokens.get("eos_token"))
+        self.eos_token_ids = list(dict.fromkeys(([eos] if eos is not None else []) + list(eos_token_ids)))
+        self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
+        self.pad_token_id = self.token_to_id(self.special_tokens.get("pad_token"))
+        self.all_special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the model's embedding may be larger)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render the conversation into the prompt text the model was trained on."""
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+        return self._template.render(messages=messages, tools=tools, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **{**self.special_tokens, **kwargs})
+
+
+def _content(token: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken-like dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _set_bos_eos(backend: Backend, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> None:
+    """Post-processor adding BOS/EOS as transformers builds it from add_bos_token/add_eos_token."""
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    special = ([(bos, backend.token_to_id(bos))] if add_bos else []) + \
+              ([(eos, backend.token_to_id(eos))] if add_eos else [])
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def _load_hf_tokenizer(model_dir: str) -> Tokenizer:
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found; expected a Hugging Face fast tokenizer (tokenizer.json) "
+                                "next to config.json (slow sentencepiece-only tokenizers are not supported)")
+    try:
+        backend = Backend.from_file(path)
+    except Exception as e:
+        raise ValueError(f"{path} is not a valid tokenizer.json ({e})") from e
+    backend.no_truncation()
+    backend.no_padding()
+    config_path = os.path.join(model_dir, "tokenizer_config.json")
+    config = read_json(config_path, "a Hugging Face tokenizer config") if os.path.isfile(config_path) else {}
+
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    missing = [AddedToken(t["content"], single_word=t.get("single_word", False), lstrip=t.get("lstrip", False),
+                          rstrip=t.get("rstrip", False), normalized=t.get("normalized", True),
+                          special=t.get("special", False))
+               for _, t in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0]))
+               if t["content"] not in added]
+    if missing:
+        backend.add_tokens(missing)
+    special = {name: _content(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    extra = list(extra.values()) if isinstance(extra, dict) else extra
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    new_special = [t for t in dict.fromkeys([*special.values(), *map(_content, extra)]) if t and t not in added]
+    if new_special:
+        backend.add_tokens([AddedToken(t, special=True) for t in new_special])
+    if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+        _set_bos_eos(backend, special["bos_token"], special["eos_token"],
+                     bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+
+    template_path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(template_path):
+        with open(template_path, encoding="utf-8") as f:
+            template = f.read()
+    else:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return Tokenizer(backend, special, generation_eos_ids(model_dir), template)
+
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """GGUF tokens spelled in GPT-2's byte alphabet; a token with other characters (a mislabelled added token)
+    is respelled byte by byte, as transformers does."""
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return {t if set(t) <= alphabet else "".join(piece for piece, _ in spell.pre_tokenize_str(t)): i
+            for i, t in enumerate(tokens)}
+
+
+def _load_gguf_tokenizer(path: str) -> Tokenizer:
+    reader = open_gguf(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: GGUF tokenizer type {kind!r} is not supported; supported: 'gpt2' "
+                         "(byte-level BPE); use the model's Hugging Face folder for its tokenizer instead")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    merges = gguf_field(reader, "tokenizer.ggml.merges")
+    if not tokens or not merges:
+        raise ValueError(f"{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    token_types = gguf_field(reader, "tokenizer.ggml.token_type", [])
+
+    backend = Backend(BPE(vocab=_byte_level_vocab(tokens), merges=[tuple(m.split(" ")) for m in merges],
+                          dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    split = GGUF_PRE_TOKENIZER_SPLITS.get(gguf_field(reader, "tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
+               if kind == _CONTROL and set(t) <= alphabet]
+    if control:
+        backend.add_special_tokens(control)
+    vocab = backend.get_vocab()
+    user_defined = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
+                    if kind == _USER_DEFINED and t in vocab]
+    if user_defined:
+        backend.add_tokens(user_defined)
+
+    def token(key: str) -> str | None:
+        i = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+        return None if i is None or not 0 <= i < len(tokens) else tokens[i]
+
+    special = {"bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
+               "pad_token": token("padding")}
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    new_special = [t for t in dict.fromkeys(special.values()) if t and t not in added]
+    if new_special:
+        backend.add_tokens([AddedToken(t, special=True) for t in new_special])
+    _set_bos_eos(backend, special["bos_token"], special["eos_token"],
+                 bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+                 bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False)))
+    return Tokenizer(backend, special, gguf_eos_ids(reader), gguf_field(reader, "tokenizer.chat_template"))
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Tokenizer of a Hugging Face model folder or of a .gguf file."""
+    if os.path.isdir(path):
+        return _load_hf_tokenizer(path)
+    if os.path.isfile(path):
+        return _load_gguf_tokenizer(path)
+    raise FileNotFoundError(f"{path} not found; expected a Hugging Face model folder with tokenizer.json "
+                            "or a .gguf file")
