@@ -16,15 +16,18 @@ def reference(chat_prompt_ids):
     return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in chat_prompt_ids]
 
 
-def test_matches_transformers_greedy(chat_prompt_ids, reference, default_model_path):
+def test_matches_transformers_greedy(chat_prompt_ids, default_model_path):
     import os
 
     from transformers import AutoModelForCausalLM
     folder, name = os.path.split(default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    for ids, ours in zip(chat_prompt_ids, reference):
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
-        assert out[0, len(ids):].tolist() == ours
+    llm = LLM(dtype="float32")
+    ours = llm.generate(chat_prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    eos = llm.llm_engine.eos_token_ids
+    for ids, o in zip(chat_prompt_ids, ours):
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=eos)
+        assert out[0, len(ids):].tolist() == o.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("engine_kwargs", [

@@ -14,7 +14,7 @@ from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forwar
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_CPU_KV_BYTES = 512 << 20
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -1,0 +1,145 @@
+"""The offline API end to end on the real default model: sampling options, n > 1, stop handling,
+logprobs, aborts and bad input."""
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.scheduler import QueueFullError
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=512, max_queue_len=64)
+
+
+def prompt(llm, text):
+    tok = llm.get_tokenizer()
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def test_chat_answers_sensibly(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.metrics.time_to_first_token > 0
+
+
+def test_seed_gives_same_output_whatever_the_batch(llm):
+    p = prompt(llm, "Write a short poem about autumn.")
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([p], seeded)[0].outputs[0].token_ids
+    others = [prompt(llm, f"Count to {i}.") for i in range(3)]
+    batch = llm.generate(others[:2] + [p] + others[2:], [SamplingParams(temperature=1.0, max_tokens=8)] * 2
+                         + [seeded] + [SamplingParams(temperature=0.7, max_tokens=12)])
+    assert batch[2].outputs[0].token_ids == alone
+    again = llm.generate([p], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True))
+    assert again[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    engine = llm.llm_engine
+    p = prompt(llm, "Name a fruit. " * 8)
+    hits_before = engine.kv_cache.prefix_hits
+    out = llm.generate([p], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    full_blocks = (len(p) - 1) // engine.kv_cache.block_size
+    assert engine.kv_cache.prefix_hits - hits_before >= 3 * full_blocks * engine.kv_cache.block_size
+
+
+def test_stop_strings_are_never_leaked(llm):
+    p = prompt(llm, "What is the capital of France?")
+    full = llm.generate([p], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
+    assert "Paris" in full
+    cut = "is Par"  # spans two tokens
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, stop=[cut]))[0].outputs[0]
+    assert out.text == full[: full.index(cut)]
+    assert out.finish_reason == "stop" and out.stop_reason == cut
+    engine = llm.llm_engine
+    rid = engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=20, stop=[cut]))
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            streamed += o.outputs[0].delta_text
+    assert streamed == out.text
+    kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, stop=[cut],
+                                            include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full[: full.index(cut) + len(cut)]
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    p = prompt(llm, "What is the capital of France?")
+    ids = llm.generate([p], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0].token_ids
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[3]]))[0].outputs[0]
+    assert out.token_ids == ids[:4] and out.stop_reason == ids[3]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    assert out.token_ids == ids[:3] and out.finish_reason == "length"
+
+
+def test_logprobs(llm):
+    p = prompt(llm, "Say yes.")
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tid, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tid and len(lp.top) == 3 and next(iter(lp.top)) == tid
+        assert lp.logprob <= 0 and abs(lp.top[tid] - lp.logprob) < 1e-6
+
+
+def test_abort_frees_blocks_in_every_state(llm):
+    engine = llm.llm_engine
+    long_prompt = prompt(llm, "Tell me everything about the history of Rome. " * 10)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("running", long_prompt, params)
+    engine.step()
+    engine.add_request("waiting", long_prompt[:-3], params)
+    assert engine.kv_cache.num_free_blocks < engine.kv_cache.usable_blocks
+    engine.abort_request("running")
+    engine.abort_request("waiting")
+    outs = engine.step()
+    assert {o.request_id for o in outs} == {"running", "waiting"}
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks
+    engine.kv_cache.check_invariants()
+
+
+def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([[1] * 600])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([[10 ** 9]])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    engine.add_request("dup", [1, 2, 3])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1, 2, 3])
+    engine.abort_request("dup")
+    with pytest.raises(QueueFullError):
+        for i in range(100):
+            engine.add_request(f"q{i}", [1, 2, 3])
+    engine.abort_request([f"q{i}" for i in range(100)])
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    assert "Paris" in llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                               SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+
+
+def test_cli_generate_streams_text():
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "What is the capital of France?",
+                        "--max-tokens", "12", "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_cli_chat_repl_is_multi_turn():
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "chat", "--max-tokens", "12", "--dtype", "float32"],
+                       input="What is the capital of France?\nAnd of Italy?\n/exit\n",
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "Rome" in r.stdout
