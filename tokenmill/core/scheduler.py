@@ -129,6 +129,7 @@ class Scheduler:
             out.timed_out.append(req)
         if self.config.policy == "priority":
             self._preempt_for_urgent(now, out)
+        num_urgent_preempted = len(out.preempted)
         budget = self.config.max_num_batched_tokens
         long_slots = [self.config.max_long_partial_prefills]
         scheduled_ids: set[str] = set()
@@ -151,7 +152,7 @@ class Scheduler:
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
                 i += 1
-        if not out.preempted:
+        if len(out.preempted) == num_urgent_preempted:  # blocks ran short while decoding: admit nobody
             self._admit(now, budget, long_slots, out)
         for s in out.scheduled:
             if s.request.num_computed_tokens < s.request.num_prompt_tokens:
