@@ -110,7 +110,7 @@ def _content(token: Any) -> str | None:
 
 
 def _set_bos_eos(backend: Backend, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> None:
-    """Post-processor adding BOS/EOS as transformers builds it from add_bos_token/add_eos_token."""
+    """Post-processor adding BOS/EOS as transformers builds it from a GGUF's add_bos_token/add_eos_token."""
     add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
     single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
     pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
@@ -120,6 +120,8 @@ def _set_bos_eos(backend: Backend, bos: str | None, eos: str | None, add_bos: bo
 
 
 def _load_hf_tokenizer(model_dir: str) -> Tokenizer:
+    """tokenizer.json is authoritative for BOS/EOS insertion (its post-processor); like transformers 5, the
+    add_bos_token/add_eos_token of tokenizer_config.json are ignored when tokenizer.json exists."""
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found; expected a Hugging Face fast tokenizer (tokenizer.json) "
@@ -148,9 +150,6 @@ def _load_hf_tokenizer(model_dir: str) -> Tokenizer:
     new_special = [t for t in dict.fromkeys([*special.values(), *map(_content, extra)]) if t and t not in added]
     if new_special:
         backend.add_tokens([AddedToken(t, special=True) for t in new_special])
-    if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-        _set_bos_eos(backend, special["bos_token"], special["eos_token"],
-                     bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
 
     template_path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(template_path):
