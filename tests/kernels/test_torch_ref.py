@@ -1,0 +1,145 @@
+"""The torch twins against naive float64 implementations: they are the CPU path and the Triton oracle."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_cases import make_case, reference_attention, rel_err
+from tokenmill.kernels import torch_ref
+
+BLOCK_SIZES = (1, 16, 32)
+HEADS = ((8, 8), (8, 2), (16, 2))  # GQA ratios 1, 4, 8
+HEAD_DIMS = (64, 128)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_paged_decode(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    seq_lens = [1, 17, 100, 333, 50]
+    case = make_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size,
+                     torch.float32, "cpu", seed=block_size + num_kv_heads + head_dim)
+    out = torch_ref.paged_attention(case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                                    case.block_tables, case.scale, 1)
+    assert rel_err(out, reference_attention(case)) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_paged_prefill_chunked(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    # fresh prompt, chunk after a cached prefix, a decode row in the batch, a sequence with no query
+    seq_lens, query_lens = [40, 77, 130, 5, 64], [40, 13, 1, 5, 0]
+    case = make_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu",
+                     seed=block_size * num_kv_heads + head_dim)
+    out = torch_ref.paged_attention(case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                                    case.block_tables, case.scale, case.max_query_len)
+    assert rel_err(out, reference_attention(case)) < 1e-5
+
+
+def test_paged_attention_bf16() -> None:
+    case = make_case([70, 300], [70, 20], 8, 2, 64, 16, torch.bfloat16, "cpu", seed=3)
+    out = torch_ref.paged_attention(case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                                    case.block_tables, case.scale, case.max_query_len)
+    assert out.dtype == torch.bfloat16 and rel_err(out, reference_attention(case)) < 1e-2
+
+
+def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model makes them: strided views of one fused projection output."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, dtype=dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+            v.view(-1, num_kv_heads, head_dim))
+
+
+def _naive_rope(positions: torch.Tensor, x: torch.Tensor, base: float) -> torch.Tensor:
+    """Neox rotary as complex multiplication: (x1 + i x2) * e^(i pos theta_j), in float64."""
+    half = x.shape[-1] // 2
+    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angle = positions.double()[:, None, None] * theta
+    z = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat((z.real, z.imag), dim=-1)
+
+
+def _cos_sin(head_dim: int, max_pos: int, base: float) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+
+
+def _naive_cache_write(cache: torch.Tensor, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    out = cache.clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            out[slot // cache.shape[1], slot % cache.shape[1]] = x[t].to(cache.dtype)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_rotary_embedding(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    base = 10000.0
+    positions = torch.tensor([0, 1, 5, 77, 4095, 1000, 3])
+    q, k, _ = _fused_qkv(len(positions), num_heads, num_kv_heads, head_dim, torch.float32)
+    q_rot, k_rot = torch_ref.rotary_embedding(positions, q, k, _cos_sin(head_dim, 4096, base))
+    assert rel_err(q_rot, _naive_rope(positions, q, base)) < 1e-5
+    assert rel_err(k_rot, _naive_rope(positions, k, base)) < 1e-5
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_write_kv_cache_skips_padding(block_size: int) -> None:
+    num_blocks, num_kv_heads, head_dim = 6, 2, 64
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = k_cache.clone()
+    slots = torch.randperm(num_blocks * block_size)[:5].tolist()
+    slots[1] = slots[3] = -1
+    _, k, v = _fused_qkv(5, 4, num_kv_heads, head_dim, torch.float32)
+    torch_ref.write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots))
+    empty = torch.full_like(k_cache, float("nan"))
+    torch.testing.assert_close(k_cache, _naive_cache_write(empty, k, slots), equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, _naive_cache_write(empty, v, slots), equal_nan=True, rtol=0, atol=0)
+
+
+def test_rope_and_cache() -> None:
+    base, block_size, num_heads, num_kv_heads, head_dim = 500000.0, 16, 8, 2, 128
+    positions = torch.tensor([3, 4, 0, 70, 71])
+    slots = [19, 20, -1, 5, 33]
+    q, k, v = _fused_qkv(len(positions), num_heads, num_kv_heads, head_dim, torch.float32)
+    k_cache = torch.full((4, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = k_cache.clone()
+    q_rot = torch_ref.rope_and_cache(positions, q, k, v, _cos_sin(head_dim, 128, base), k_cache, v_cache,
+                                     torch.tensor(slots))
+    assert rel_err(q_rot, _naive_rope(positions, q, base)) < 1e-5
+    empty = torch.full_like(k_cache, float("nan"), dtype=torch.float64)
+    want_k = _naive_cache_write(empty, _naive_rope(positions, k, base), slots)
+    written = ~want_k.isnan()
+    assert torch.equal(written, ~k_cache.isnan())
+    assert rel_err(k_cache[written], want_k[written]) < 1e-5
+    torch.testing.assert_close(v_cache, _naive_cache_write(torch.full_like(v_cache, float("nan")), v, slots),
+                               equal_nan=True, rtol=0, atol=0)
+
+
+def _naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight.double()
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (5, 3, 128)])
+def test_rms_norms(shape: tuple[int, ...]) -> None:
+    eps = 1e-6
+    x, residual = torch.randn(shape), torch.randn(shape)
+    weight = torch.rand(shape[-1]) + 0.5
+    assert rel_err(torch_ref.rms_norm(x, weight, eps), _naive_rms_norm(x, weight, eps)) < 1e-5
+    out, new_residual = torch_ref.fused_add_rms_norm(x, residual, weight, eps)
+    total = x.double() + residual.double()
+    assert rel_err(new_residual, total) < 1e-6
+    assert rel_err(out, _naive_rms_norm(total, weight, eps)) < 1e-5
+
+
+def test_silu_and_mul() -> None:
+    x = torch.randn(9, 2 * 352)
+    gate, up = x.double().chunk(2, dim=-1)
+    want = gate / (1 + torch.exp(-gate)) * up
+    assert rel_err(torch_ref.silu_and_mul(x), want) < 1e-6

@@ -1,0 +1,223 @@
+"""Each Triton op against a float64 reference on fresh random inputs (skipped without CUDA).
+
+Outputs come from torch.empty, which deterministic mode fills with NaN here, and unused cache slots hold
+NaN, so an element the kernel never writes, or a slot it reads by mistake, fails the comparison.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from paged_cases import make_case, reference_attention, rel_err  # noqa: E402
+from tokenmill.kernels import OP_NAMES, get_ops, torch_ref, triton_ops  # noqa: E402
+
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _ids(value: object) -> str | None:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_allocations():
+    """torch.empty returns NaN-filled memory while deterministic algorithms are on."""
+    was_on, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+
+
+def _attend(case) -> torch.Tensor:
+    return triton_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                                      case.block_tables, case.scale, case.max_query_len)
+
+
+def test_get_ops_picks_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENMILL_KERNELS", raising=False)
+    ops = get_ops("cuda")
+    assert all(getattr(ops, name) is getattr(triton_ops, name) for name in OP_NAMES)
+
+
+# batch, longest context, block size, query heads, kv heads, head dim, dtype
+DECODE = [
+    (1, 1, 16, 8, 8, 64, BF16),
+    (1, 4000, 16, 32, 8, 128, BF16),       # one sequence, many partitions
+    (3, 700, 32, 32, 4, 128, F32),
+    (7, 1500, 16, 16, 16, 64, BF16),       # no GQA
+    (16, 300, 8, 64, 8, 128, BF16),        # GQA 8
+    (33, 513, 32, 28, 4, 128, F32),        # group of 7 heads
+    (64, 1100, 16, 32, 8, 128, BF16),
+    (4, 300, 1, 8, 2, 64, F32),            # block size 1
+    (5, 2500, 64, 8, 1, 64, BF16),         # one kv head
+    (256, 200, 16, 32, 8, 64, BF16),
+    (256, 100, 32, 32, 8, 128, F32),
+    (2, 200, 16, 8, 8, 96, F32),           # head dim that is not a power of two
+]
+
+
+@pytest.mark.parametrize("batch,max_ctx,block_size,num_heads,num_kv_heads,head_dim,dtype", DECODE, ids=_ids)
+def test_decode(batch: int, max_ctx: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> None:
+    rng = random.Random(batch * max_ctx)
+    seq_lens = [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
+    case = make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda",
+                     seed=batch + max_ctx, garbage=float("nan"))
+    out = _attend(case)
+    assert out.dtype == dtype and rel_err(out, reference_attention(case)) < TOL[dtype]
+
+
+# (seq_lens, query_lens) or a batch size drawn at random, block size, query heads, kv heads, head dim, dtype
+PREFILL = [
+    (([300], [300]), 16, 8, 8, 64, BF16),                                 # one fresh prompt
+    (([1000, 37, 515], [1000, 37, 515]), 16, 32, 8, 128, BF16),           # fresh prompts, varlen
+    (([700, 129, 64, 2000], [200, 1, 64, 77]), 32, 32, 4, 128, BF16),     # chunks after prefixes, a decode row
+    (([513, 90], [250, 90]), 16, 16, 16, 64, F32),
+    (([45, 3, 260], [20, 3, 0]), 8, 28, 4, 128, F32),                     # a sequence with no query tokens
+    (([4000], [17]), 16, 8, 1, 128, BF16),                                # long prefix, short chunk
+    (([2048], [2048]), 16, 32, 8, 128, BF16),
+    (([150, 70], [20, 70]), 1, 8, 2, 64, F32),                            # block size 1
+    (([333, 40], [333, 33]), 16, 8, 8, 96, F32),
+    (64, 16, 32, 8, 128, BF16),
+    (200, 32, 16, 2, 64, BF16),
+]
+
+
+@pytest.mark.parametrize("lens,block_size,num_heads,num_kv_heads,head_dim,dtype", PREFILL, ids=_ids)
+def test_prefill(lens, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+    if isinstance(lens, int):
+        rng = random.Random(lens)
+        seq_lens = [rng.randint(1, 400) for _ in range(lens)]
+        lens = (seq_lens, [rng.randint(1, n) for n in seq_lens])
+    case = make_case(*lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda",
+                     seed=len(lens[0]) + head_dim, garbage=float("nan"))
+    out = _attend(case)
+    assert out.dtype == dtype and rel_err(out, reference_attention(case)) < TOL[dtype]
+
+
+def test_short_block_table_stays_in_bounds() -> None:
+    """The runner's memory-profiling forward attends over 300 tokens through a one-entry table."""
+    k_cache = torch.zeros(2, 16, 2, 64, dtype=BF16, device="cuda")
+    q = torch.randn(300, 8, 64, dtype=BF16, device="cuda")
+    out = triton_ops.paged_attention(q, k_cache, k_cache.clone(), torch.tensor([0, 300], dtype=torch.int32,
+                                     device="cuda"), torch.tensor([300], dtype=torch.int32, device="cuda"),
+                                     torch.zeros(1, 1, dtype=torch.int32, device="cuda"), 0.125, 300)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("table_width", [4, 40])  # one partition, several partitions
+def test_decode_cuda_graph_replay_matches_eager(table_width: int) -> None:
+    case = make_case([60, 33, 17], [1, 1, 1], 32, 8, 128, 16, BF16, "cuda", seed=7, table_width=table_width)
+    args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+            case.scale, 1)
+    triton_ops.paged_attention(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_ops.paged_attention(*args)
+    for seq_lens in ([60, 33, 17], [5, 64, 1]):
+        case.seq_lens.copy_(torch.tensor(seq_lens))
+        case.q.copy_(torch.randn_like(case.q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, triton_ops.paged_attention(*args))
+
+
+def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, device="cuda")
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+            v.view(-1, num_kv_heads, head_dim))
+
+
+def _cos_sin(head_dim: int, max_pos: int) -> torch.Tensor:
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().cuda()
+
+
+ROPE = [(1, 8, 8, 64, BF16), (7, 32, 8, 128, BF16), (256, 28, 4, 128, F32), (2048, 32, 8, 128, BF16),
+        (33, 16, 2, 96, F32)]
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,dtype", ROPE, ids=_ids)
+def test_rope_and_cache(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> None:
+    block_size = 16
+    q, k, v = _fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
+    cos_sin = _cos_sin(head_dim, 4096)
+    num_blocks = num_tokens // block_size + 2
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots[::3] = -1
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    v_cache = k_cache.clone()
+    q_out = triton_ops.rope_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+
+    f64 = [t.double() for t in (q, k, v)]
+    ref_k_cache = torch.full(k_cache.shape, float("nan"), dtype=torch.float64, device="cuda")
+    ref_v_cache = ref_k_cache.clone()
+    ref_q = torch_ref.rope_and_cache(positions, *f64, cos_sin.double(), ref_k_cache, ref_v_cache, slots)
+    assert rel_err(q_out, ref_q) < TOL[dtype]
+    written = ~ref_k_cache.isnan()
+    assert torch.equal(written, ~k_cache.isnan()) and torch.equal(written, ~v_cache.isnan())
+    assert rel_err(k_cache[written], ref_k_cache[written]) < TOL[dtype]
+    assert torch.equal(v_cache[written], ref_v_cache[written].to(dtype))
+
+    q_rot, k_rot = triton_ops.rotary_embedding(positions, q, k, cos_sin)
+    ref_q_rot, ref_k_rot = torch_ref.rotary_embedding(positions, f64[0], f64[1], cos_sin.double())
+    assert rel_err(q_rot, ref_q_rot) < TOL[dtype] and rel_err(k_rot, ref_k_rot) < TOL[dtype]
+
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    triton_ops.write_kv_cache(k, v, k_cache, v_cache, slots)
+    torch_ref.write_kv_cache(*f64[1:], ref_k_cache, ref_v_cache, slots)
+    assert torch.equal(written, ~k_cache.isnan())
+    assert torch.equal(k_cache[written], ref_k_cache[written].to(dtype))
+    assert torch.equal(v_cache[written], ref_v_cache[written].to(dtype))
+
+
+NORM = [((1, 4096), BF16), ((7, 4096), BF16), ((256, 5120), F32), ((1000, 8192), BF16), ((3, 100), F32)]
+
+
+@pytest.mark.parametrize("shape,dtype", NORM, ids=_ids)
+def test_rms_norms(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = torch.randn(shape, dtype=dtype, device="cuda")
+    residual = torch.randn_like(x)
+    weight = (torch.rand(shape[-1], device="cuda") + 0.5).to(dtype)
+    x_in, res_in = x.clone(), residual.clone()
+    assert rel_err(triton_ops.rms_norm(x, weight, 1e-6), torch_ref.rms_norm(x.double(), weight.double(), 1e-6)) \
+        < TOL[dtype]
+    out, new_res = triton_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_res = torch_ref.fused_add_rms_norm(x.double(), residual.double(), weight.double(), 1e-6)
+    assert rel_err(out, ref_out) < TOL[dtype] and rel_err(new_res, ref_res) < TOL[dtype]
+    assert torch.equal(x, x_in) and torch.equal(residual, res_in)
+
+
+def test_rms_norm_on_strided_heads() -> None:
+    """q_norm/k_norm style: per-head norm of a strided view into a fused qkv output."""
+    q, k, _ = _fused_qkv(37, 16, 4, 128, BF16)
+    weight = torch.rand(128, device="cuda", dtype=BF16) + 0.5
+    for x in (q, k):
+        assert rel_err(triton_ops.rms_norm(x, weight, 1e-6), torch_ref.rms_norm(x.double(), weight.double(), 1e-6)) \
+            < TOL[BF16]
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 2 * 11008), BF16), ((300, 2 * 14336), BF16), ((17, 2 * 768), F32),
+                                         ((2, 3, 2 * 100), F32)], ids=_ids)
+def test_silu_and_mul(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = torch.randn(shape, dtype=dtype, device="cuda")
+    out = triton_ops.silu_and_mul(x)
+    assert out.shape == (*shape[:-1], shape[-1] // 2)
+    assert rel_err(out, torch_ref.silu_and_mul(x.double())) < TOL[dtype]
