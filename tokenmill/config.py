@@ -137,6 +137,7 @@ class EngineArgs:
     load_format: str = "auto"               # auto | safetensors | gguf | dummy
     model_preset: str | None = None         # config for load_format="dummy" without a folder
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False       # token ids in and out only (no text)
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0

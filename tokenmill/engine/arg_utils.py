@@ -12,6 +12,7 @@ _HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
     "model_preset": "architecture preset for --load-format dummy (llama-3-8b, qwen3-0.6b, ...)",
     "tokenizer": "tokenizer folder or GGUF (default: the model's)",
+    "skip_tokenizer_init": "load no tokenizer: prompts and outputs are token ids only",
     "dtype": "compute dtype: auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bf16 on CUDA)",
     "device": "auto | cpu | cuda",
     "seed": "seed of the engine's random generator",

@@ -79,7 +79,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
                              f"{self.model_config.max_position_embeddings}")
         self.max_model_len = max_len
-        tok_path = args.tokenizer or model_path
+        tok_path = None if args.skip_tokenizer_init else args.tokenizer or model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if tok_path else None
         eos = list(self.model_config.eos_token_id)
         if self.tokenizer is not None:
@@ -250,6 +250,14 @@ class LLMEngine:
         s.num_prefill_reqs = len(out.scheduled) - s.num_decode_reqs
         s.step_time = elapsed
 
+    def _filled_slots(self) -> int:
+        """KV slots of running requests that hold a computed token; a block shared by several counts once."""
+        bs, fill = self.kv_cache.block_size, {}
+        for r in self.scheduler.running:
+            for i, b in enumerate(self.kv_cache.get_block_ids(r.request_id)):
+                fill[b] = max(fill.get(b, 0), min(bs, r.num_computed_tokens - i * bs))
+        return sum(v for v in fill.values() if v > 0)
+
     def get_stats(self) -> dict[str, Any]:
         kv, sch = self.kv_cache, self.scheduler
         return {
@@ -262,6 +270,7 @@ class LLMEngine:
             "block_size": kv.block_size,
             "kv_cache_usage": kv.usage,
             "kv_cache_used_tokens": (kv.usable_blocks - kv.num_free_blocks) * kv.block_size,
+            "kv_cache_filled_slots": self._filled_slots(),
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": sch.stats.num_preemptions,

@@ -184,6 +184,17 @@ def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, rows.shape[0] // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def gguf_tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
+    """Hugging Face name -> storage type of every model tensor, read from the header only."""
+    reader = open_gguf(path)
+    types = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is not None:
+            types[name] = GGMLQuantizationType(t.tensor_type)
+    return types
+
+
 def iter_gguf_raw_tensors(path: str) -> Iterator[GGUFTensor]:
     """Every model tensor as stored in the file (memory-mapped where no row permutation is needed)."""
     reader = open_gguf(path)

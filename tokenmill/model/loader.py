@@ -15,6 +15,7 @@ from tokenmill.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from tokenmill.model.hf_loader import iter_safetensors_weights, load_hf_config
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.presets import get_preset
+from tokenmill.quant.loading import linear_modules, prepare_quantized_load, quantize_model, resolve_quantization
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
@@ -84,12 +85,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def load_model(model_config: ModelConfig, model_path: str | None, load_format: str = "auto",
                dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> nn.Module:
-    """Build the model directly on `device` in `dtype`, fill its weights, and return it in eval mode."""
+               seed: int = 0, quantization: str | None = None) -> nn.Module:
+    """Build the model directly on `device` in `dtype`, fill its weights, and return it in eval mode.
+    Quantized projections (`quantization`, or the checkpoint's own) are swapped in before weights load."""
     cls = get_model_class(model_config.architecture)
     if load_format != "dummy":
         model_path = resolve_model(model_path)
         load_format = resolve_format(model_path, load_format)
+    quant = resolve_quantization(quantization, model_path, load_format)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(parse_dtype(dtype))
     try:
@@ -99,6 +102,10 @@ def load_model(model_config: ModelConfig, model_path: str | None, load_format: s
         torch.set_default_dtype(previous)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+        if quant is not None:
+            quantize_model(model, dict.fromkeys(linear_modules(model), quant.fmt))
+    elif quant is not None:
+        model.load_weights(prepare_quantized_load(model, quant, model_path, load_format))
     else:
         model.load_weights(_weights(model_path, load_format))
     return model.eval()

@@ -69,7 +69,7 @@ class ModelRunner:
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, math.ceil(n / self.block_size), dtype=torch.int32, device=self.device),
             max_query_len=n, max_seq_len=n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with forward_context(meta):

@@ -1,0 +1,137 @@
+"""Our tokenizer against transformers' AutoTokenizer: the default GGUF, and Hugging Face folders derived from it
+(as saved, with BOS insertion on, with an extra special token, with a template in tokenizer_config.json)."""
+from __future__ import annotations
+
+import json
+import os
+
+import jinja2
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import processors
+
+transformers = pytest.importorskip("transformers")
+
+from tokenmill.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+
+TEXTS = [
+    "Hello world",
+    "  leading and trailing spaces  ",
+    "ünïcødé façade — naïve 你好，世界 🙂👍🏽 ÅΩ≈ç√",
+    "<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n",
+    "code:\n\tdef f(x):\n\t\treturn x**2  # square\n\n\n",
+    "Numbers 12345, 3.14159 and 1,000,000; it's they're I'LL",
+    "<repo_name>tokenmill<file_sep>a.py<|endoftext|>",
+    "<|im_start|",
+    "",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye 👋"}],
+]
+CUSTOM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}"
+                   "{{ raise_exception('unknown role ' + m.role) }}{% endif %}[{{ m.role }}] {{ m.content }}"
+                   "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+                   "{{ strftime_now('%Y') | length }}")
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_tokenizer(default_model_path: str):
+    folder, name = os.path.split(default_model_path)
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(default_model_path: str) -> Tokenizer:
+    return load_tokenizer(default_model_path)
+
+
+def assert_same(ours: Tokenizer, ref, texts: list[str] = TEXTS) -> None:
+    for text in texts:
+        for special in (True, False):
+            ids = ref(text, add_special_tokens=special)["input_ids"]
+            assert ours.encode(text, add_special_tokens=special) == ids, text
+        ids = ref(text)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids), text
+        assert ours.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids), text
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \
+                ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+
+def test_gguf_tokenizer_matches_transformers(gguf_tokenizer: Tokenizer, hf_gguf_tokenizer) -> None:
+    assert_same(gguf_tokenizer, hf_gguf_tokenizer)
+    assert gguf_tokenizer.backend.to_str() == hf_gguf_tokenizer.backend_tokenizer.to_str()
+
+
+def test_gguf_tokenizer_properties(gguf_tokenizer: Tokenizer, hf_gguf_tokenizer) -> None:
+    assert gguf_tokenizer.eos_token_ids == [hf_gguf_tokenizer.eos_token_id] == [2]
+    assert gguf_tokenizer.bos_token_id == hf_gguf_tokenizer.bos_token_id
+    assert gguf_tokenizer.pad_token_id == hf_gguf_tokenizer.pad_token_id
+    assert gguf_tokenizer.vocab_size == len(hf_gguf_tokenizer) == 49152
+    assert set(hf_gguf_tokenizer.all_special_ids) <= set(gguf_tokenizer.all_special_ids)
+    assert gguf_tokenizer.encode("Hi") == gguf_tokenizer.encode("Hi", add_special_tokens=False)  # add_bos_token off
+
+
+def hf_folder(tmp_path, ref, bos: bool = False, **config_changes) -> str:
+    """A Hugging Face tokenizer folder saved by transformers, with tokenizer_config.json entries changed and,
+    with `bos`, a tokenizer.json post-processor that prepends BOS (as Llama's does)."""
+    ref.save_pretrained(tmp_path)
+    if bos:
+        backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A", pair="<|im_start|> $A <|im_start|> $B", special_tokens=[("<|im_start|>", 1)])
+        backend.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.update(config_changes)
+    path.write_text(json.dumps(config))
+    if "chat_template" in config_changes:
+        os.remove(tmp_path / "chat_template.jinja")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"bos": True},
+    {"add_bos_token": True, "add_eos_token": True},  # ignored next to tokenizer.json, as in transformers 5
+    {"extra_special_tokens": ["<|tool|>"]},
+    {"chat_template": CUSTOM_TEMPLATE},
+], ids=["as-saved", "bos-post-processor", "add-bos-flags", "extra-special", "config-template"])
+def test_hf_folder_matches_transformers(changes: dict, tmp_path, hf_gguf_tokenizer) -> None:
+    folder = hf_folder(tmp_path, hf_gguf_tokenizer, **changes)
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    ours = load_tokenizer(folder)
+    assert_same(ours, ref, TEXTS + ["call <|tool|> now"])
+    assert ours.eos_token_ids == [ref.eos_token_id]
+
+
+def test_chat_template_helpers(tmp_path, hf_gguf_tokenizer) -> None:
+    tok = load_tokenizer(hf_folder(tmp_path, hf_gguf_tokenizer, chat_template=CUSTOM_TEMPLATE))
+    rendered = tok.apply_chat_template([{"role": "user", "content": "x"}])
+    assert rendered == "<|im_start|>[user] x<|im_end|>\n[assistant] 4"
+    with pytest.raises(jinja2.TemplateError, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_generation_config_eos(tmp_path, hf_gguf_tokenizer) -> None:
+    folder = hf_folder(tmp_path, hf_gguf_tokenizer)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert load_tokenizer(folder).eos_token_ids == [2, 0]
+
+
+def test_no_chat_template(tmp_path, hf_gguf_tokenizer) -> None:
+    folder = hf_folder(tmp_path, hf_gguf_tokenizer)
+    os.remove(tmp_path / "chat_template.jinja")
+    with pytest.raises(ValueError, match="no chat template"):
+        load_tokenizer(folder).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_missing_tokenizer(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="expected a Hugging Face model folder with tokenizer.json"):
+        load_tokenizer(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json not found; expected a Hugging Face fast tokenizer"):
+        load_tokenizer(str(tmp_path))
