@@ -1,0 +1,91 @@
+"""One backend server as the router sees it: whether it takes requests, how loaded it is (its own /metrics plus
+the router's count of requests in flight to it), and the poll that keeps both current."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
+
+KV_WEIGHT = 4.0          # a full KV cache weighs as much as this many requests
+DOWN_AFTER_TIMEOUTS = 2  # consecutive /health timeouts that declare a hung backend dead
+# the backend's gauges the load is made of -> Backend attribute
+LOAD_GAUGES = {"tokenmill:num_requests_running": "running", "tokenmill:num_requests_waiting": "waiting",
+               "tokenmill:kv_cache_usage_perc": "kv_usage"}
+
+
+class Backend:
+    def __init__(self, url: str, pool: str) -> None:
+        self.url = url
+        self.pool = pool
+        self.healthy = False          # routable: the last /health said 200 and no request failed to connect since
+        self.dead = asyncio.Event()   # set while unreachable: the requests in flight on it give up
+        self.in_flight = 0            # requests this router has open on it
+        self.running = 0.0            # the rest as of the last /metrics
+        self.waiting = 0.0
+        self.kv_usage = 0.0
+        self._timeouts = 0
+
+    def load(self) -> float:
+        """Outstanding work. The router's own count is current where the scraped one is up to a poll old; the
+        scraped one also sees requests from other clients. A waiting request counts twice: it has not started and
+        queues behind everything. A nearly full KV cache means preemptions."""
+        return max(self.in_flight, self.running + self.waiting) + self.waiting + KV_WEIGHT * self.kv_usage
+
+    def set_unavailable(self) -> None:
+        """Stop routing to it until a poll finds it healthy again; the requests in flight on it go on."""
+        self.healthy = False
+
+    def _set_dead(self, why: str) -> None:
+        self.healthy = False
+        if not self.dead.is_set():
+            logger.warning("backend %s is down (%s); requests in flight on it: %d, failed", self.url, why,
+                           self.in_flight)
+            self.dead.set()
+
+    def _set_reachable(self, healthy: bool) -> None:
+        self._timeouts = 0
+        if self.dead.is_set():
+            logger.info("backend %s answers again", self.url)
+            self.dead = asyncio.Event()
+        if healthy != self.healthy:
+            logger.info("backend %s is %s", self.url, "healthy" if healthy else "not taking requests")
+        self.healthy = healthy
+
+    async def poll(self, client: httpx.AsyncClient, timeout: float) -> None:
+        """/health, then /metrics while healthy. A refused connection is a dead backend at once; a hung one is
+        dead after a few timeouts; a non-200 /health (draining) only stops new requests."""
+        try:
+            health = await client.get(self.url + "/health", timeout=timeout)
+            if health.status_code == 200:
+                metrics = await client.get(self.url + "/metrics", timeout=timeout)
+                if metrics.status_code == 200:
+                    self._read_load(metrics.text)
+        except httpx.TimeoutException:
+            self._timeouts += 1
+            if self._timeouts >= DOWN_AFTER_TIMEOUTS:
+                self._set_dead(f"{self._timeouts} health checks timed out")
+            return
+        except httpx.HTTPError as e:
+            self._set_dead(f"{type(e).__name__}: {e}")
+            return
+        self._set_reachable(health.status_code == 200)
+
+    def _read_load(self, text: str) -> None:
+        values = dict.fromkeys(LOAD_GAUGES.values(), 0.0)
+        for family in text_string_to_metric_families(text):
+            attr = LOAD_GAUGES.get(family.name)
+            if attr is not None:
+                values[attr] = sum(s.value for s in family.samples)
+        self.running, self.waiting, self.kv_usage = values["running"], values["waiting"], values["kv_usage"]
+
+    async def poll_forever(self, client: httpx.AsyncClient, interval: float, timeout: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.poll(client, timeout)
+            except Exception:
+                logger.exception("polling %s failed", self.url)

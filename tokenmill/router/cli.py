@@ -1,0 +1,54 @@
+"""`tokenmill router`: the router's command-line options."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def _url(value: str) -> str:
+    url = value.rstrip("/")
+    return url if "://" in url else "http://" + url
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("router", help="spread OpenAI-compatible requests over several tokenmill servers")
+    p.add_argument("--backend", type=_url, action="append", required=True, metavar="URL",
+                   help="a tokenmill server of the (short) pool, e.g. http://10.0.0.2:8000 (repeatable)")
+    p.add_argument("--long-backend", type=_url, action="append", default=[], metavar="URL",
+                   help="a server of the long pool, for prompts over --long-prompt-threshold (repeatable)")
+    p.add_argument("--long-prompt-threshold", type=int, default=1024, metavar="N",
+                   help="prompts estimated over N tokens (characters / 4) go to the long pool (default: %(default)s)")
+    p.add_argument("--affinity-slack", type=float, default=4.0, metavar="LOAD",
+                   help="a conversation stays on its backend unless that one's load exceeds the least load by more "
+                        "than this (in requests; default: %(default)s)")
+    p.add_argument("--poll-interval", type=float, default=0.5, metavar="S",
+                   help="seconds between two polls of each backend's /health and /metrics (default: %(default)s)")
+    p.add_argument("--health-timeout", type=float, default=2.0, metavar="S",
+                   help="timeout of a health check and of connecting to a backend (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds for the requests in flight to finish before they are cut "
+                        "(default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="(default: %(default)s)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log every HTTP request (default: on)")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> None:
+    import uvicorn
+
+    from tokenmill.router.app import RouterConfig, build_app
+
+    overlap = set(ns.backend) & set(ns.long_backend)
+    if overlap:
+        raise SystemExit(f"tokenmill router: a backend cannot be in both pools: {', '.join(sorted(overlap))}")
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll and per proxied request otherwise
+    app = build_app(RouterConfig(backends=ns.backend, long_backends=ns.long_backend,
+                                 long_prompt_threshold=ns.long_prompt_threshold, affinity_slack=ns.affinity_slack,
+                                 poll_interval=ns.poll_interval, health_timeout=ns.health_timeout))
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
+                timeout_graceful_shutdown=ns.shutdown_timeout)
