@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate | chat | serve | bench | quantize | quant-eval | simulate | plan.
+"""The `tokenmill` command: generate | chat | serve | bench | quantize | quant-eval | simulate | plan | router.
 Each subcommand parses its options and calls into the package; no logic lives here."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
 
 # subcommand -> module with add_parser(subparsers) that sets `func` on its parser
 EXTRA_COMMANDS = ["tokenmill.serve.cli", "tokenmill.bench.cli", "tokenmill.quant.cli", "tokenmill.sim.cli",
-                  "tokenmill.plan"]
+                  "tokenmill.plan", "tokenmill.router.cli"]
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
