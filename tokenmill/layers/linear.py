@@ -1,24 +1,36 @@
-"""Linear layers. Merged projections hold several checkpoint matrices concatenated along the output
-dimension, so one matrix product replaces two or three."""
+"""Linear layers, tensor-parallel aware (vLLM's names). Merged projections hold several checkpoint matrices
+concatenated along the output dimension, so one matrix product replaces two or three.
+
+Column-parallel layers keep a slice of the output rows on each rank; row-parallel layers keep a slice of
+the input columns and sum the partial outputs across ranks. With one rank they are plain linears."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed import all_reduce, shard_range, tp_rank, tp_size
+
 
 class Linear(nn.Module):
+    """Replicated linear: every rank holds the whole matrix."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """The part of a checkpoint tensor this rank keeps."""
+        return tensor
+
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         """Copy a checkpoint tensor ('weight' or 'bias') into this layer (or one shard of it)."""
         param = getattr(self, name)
         if param is None:
             raise ValueError(f"checkpoint has a {name} the layer does not expect")
+        tensor = self._local(name, tensor, shard)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
         param.data.copy_(tensor)
@@ -27,13 +39,51 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dim (QKV, gate/up)."""
+class ColumnParallelLinear(Linear):
+    """Output rows split over ranks; each rank produces its slice of the output."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.row_range = shard_range(out_features)
+        super().__init__(in_features, self.row_range[1] - self.row_range[0], bias)
+
+    def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        start, end = self.row_range
+        return tensor[start:end]
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over ranks; partial products are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.col_range = shard_range(in_features)
+        super().__init__(self.col_range[1] - self.col_range[0], out_features, bias)
+
+    def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        start, end = self.col_range
+        return tensor[:, start:end] if name == "weight" else tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim (QKV, gate/up). Shard i keeps
+    rows [start, start + size) of its checkpoint matrix (all of them with one rank)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 shard_slices: list[tuple[int, int]] | None = None) -> None:
+        self.shard_slices = shard_slices or [(0, n) for n in output_sizes]
+        local_sizes = [size for _, size in self.shard_slices]
+        super().__init__(in_features, sum(local_sizes), bias)
+        self.output_sizes = local_sizes
+        self.offsets = [sum(local_sizes[:i]) for i in range(len(local_sizes))]
+
+    def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        if shard is None:
+            return tensor
+        start, size = self.shard_slices[shard]
+        return tensor[start:start + size]
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if shard is None:
@@ -41,9 +91,47 @@ class MergedLinear(Linear):
         param = getattr(self, name)
         if param is None:
             raise ValueError(f"checkpoint has a {name} the layer does not expect")
-        size = self.output_sizes[shard]
-        target = param.data.narrow(0, self.offsets[shard], size)
+        tensor = self._local(name, tensor, shard)
+        target = param.data.narrow(0, self.offsets[shard], self.output_sizes[shard])
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch for {name} shard {shard}: checkpoint {tuple(tensor.shape)}, "
                              f"model {tuple(target.shape)}")
         target.copy_(tensor)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """gate/up: each projection's rows split evenly over ranks."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        slices = []
+        for n in output_sizes:
+            start, end = shard_range(n)
+            slices.append((start, end - start))
+        super().__init__(in_features, output_sizes, bias, slices)
+
+
+def kv_heads_per_rank(num_kv_heads: int) -> int:
+    """KV heads are split when there are at least as many as ranks, else each rank holds one (replicated)."""
+    world = tp_size()
+    if num_kv_heads >= world:
+        if num_kv_heads % world:
+            raise ValueError(f"{num_kv_heads} KV heads do not split evenly over tensor_parallel_size={world}")
+        return num_kv_heads // world
+    if world % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={world} is not a multiple of the {num_kv_heads} KV heads")
+    return 1
+
+
+class QKVParallelLinear(MergedLinear):
+    """Q, K, V stacked; query heads split over ranks, KV heads split or replicated."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        world, rank = tp_size(), tp_rank()
+        if num_heads % world:
+            raise ValueError(f"{num_heads} attention heads do not split evenly over tensor_parallel_size={world}")
+        q_heads, kv_heads = num_heads // world, kv_heads_per_rank(num_kv_heads)
+        kv_start = rank * kv_heads if num_kv_heads >= world else rank * num_kv_heads // world
+        q_slice = (rank * q_heads * head_dim, q_heads * head_dim)
+        kv_slice = (kv_start * head_dim, kv_heads * head_dim)
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, [q_slice, kv_slice, kv_slice])
