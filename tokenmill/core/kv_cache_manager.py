@@ -140,8 +140,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -177,6 +175,29 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
         self.num_cached_blocks[request.request_id] = num_full
+
+    def reserve_slots(self, request: Request, num_tokens: int, keep_free: int = 0) -> bool:
+        """Grow a running request's table to hold num_tokens tokens without registering any hash: the draft
+        model writes K/V of tokens the target has not computed yet there. False, and no change, unless
+        keep_free blocks stay free."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return False
+        need = self.blocks_needed(num_tokens) - len(blocks)
+        if need > 0 and need > self.pool.num_free_blocks - keep_free:
+            return False
+        if need > 0:
+            blocks.extend(self.pool.get_new_blocks(need))
+        return True
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first num_tokens tokens (slots of rejected draft tokens). They
+        were never registered: only blocks full of confirmed tokens get a hash."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if blocks is not None and len(blocks) > keep:
+            self.pool.free_blocks(list(reversed(blocks[keep:])))
+            del blocks[keep:]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks first into the LRU so they are evicted first."""

@@ -1,0 +1,123 @@
+"""`tokenmill bench latency | throughput | ablation | compare-hf` run end to end on the CPU in tiny configurations
+(random tiny-llama weights, a few requests), writing JSON whose figures must be present and positive; plus the
+pieces whose exactness matters: the nano-vllm draw, the recompute path, sweep parsing, weight bytes, kernel choice."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenmill.bench.ablation import recompute_generate
+from tokenmill.bench.common import build_engine, generate, weight_bytes
+from tokenmill.bench.sweep import parse_sweep
+from tokenmill.bench.workloads import nano_vllm_workload
+from tokenmill.cli import main
+from tokenmill.config import EngineArgs
+from tokenmill.kernels import get_ops, torch_ref
+from tokenmill.sampling_params import SamplingParams
+
+TINY = ["--load-format", "dummy", "--model-preset", "tiny-llama"]
+
+
+def run_bench(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "result.json"
+    main(["bench", *argv, *TINY, "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["env"]["date"] and result["env"]["hardware"]
+    assert result["engine_args"]["model_preset"] == "tiny-llama"
+    return result
+
+
+def assert_positive(row: dict, *keys: str) -> None:
+    for key in keys:
+        assert row[key] > 0, (key, row)
+
+
+def test_latency(tmp_path):
+    result = run_bench(tmp_path, "latency", "--output-len", "8", "--prefill-len", "32", "--num-iters", "2")
+    (row,) = result["results"]
+    assert_positive(row, "decode_tokens_per_s", "decode_ms_per_token", "prefill_tokens_per_s", "weight_bytes",
+                    "weight_bytes_read_per_token", "bandwidth_gb_per_s")
+    assert len(row["decode_tokens_per_s_all"]) == 2 and row["prefill_len"] == 32
+
+
+def test_throughput_with_sweep(tmp_path):
+    result = run_bench(tmp_path, "throughput", "--num-requests", "4", "--max-input-len", "16", "--max-output-len", "8",
+                       "--sweep", "block_size=8,16", "max-num-seqs=2")
+    rows = result["results"]
+    assert [(r["block_size"], r["max_num_seqs"], r["temperature"]) for r in rows] == [
+        (8, 2, 0.6), (8, 2, 0.0), (16, 2, 0.6), (16, 2, 0.0)]
+    expected = nano_vllm_workload(4, 16, 8, vocab_size=256).num_output_tokens
+    for row in rows:
+        assert row["output_tokens"] == expected
+        assert_positive(row, "elapsed_s", "output_tokens_per_s", "total_tokens_per_s", "requests_per_s")
+        assert row["total_tokens_per_s"] > row["output_tokens_per_s"]
+
+
+def test_ablation(tmp_path):
+    result = run_bench(tmp_path, "ablation", "--num-requests", "6", "--max-input-len", "16", "--max-output-len", "8",
+                       "--max-num-seqs", "2", "--naive-requests", "2", "--naive-max-tokens", "4")
+    rows = {r["step"]: r for r in result["results"]}
+    measured = ["recompute, no KV cache", "KV cache, static batching", "continuous batching"]
+    assert list(rows)[:3] == measured
+    for name in measured:
+        assert_positive(rows[name], "output_tokens", "elapsed_s", "output_tokens_per_s", "gain_vs_previous",
+                        "gain_vs_first")
+    assert rows[measured[0]]["output_tokens"] == 8  # 2 requests x 4 tokens
+    assert rows[measured[1]]["output_tokens"] == rows[measured[2]]["output_tokens"]
+    for name in ("fused Triton kernels", "CUDA graphs", "quantization"):  # CPU: skipped, with the reason
+        assert rows[name]["note"].startswith("skipped") and "output_tokens_per_s" not in rows[name]
+
+
+def test_compare_hf(tmp_path):
+    pytest.importorskip("transformers")
+    result = run_bench(tmp_path, "compare-hf", "--batch-sizes", "1", "2", "--hf-dtypes", "float32",
+                       "--max-tokens", "4", "--repeats", "1", "--prompt-len", "8")
+    rows = result["results"]
+    assert [(r["system"], r["batch_size"]) for r in rows] == [
+        ("tokenmill", 1), ("tokenmill", 2), ("transformers", 1), ("transformers", 2)]
+    for row in rows:
+        assert_positive(row, "output_tokens_per_s")
+    assert [(r["hf_dtype"], r["batch_size"]) for r in result["ratios"]] == [("float32", 1), ("float32", 2)]
+    assert all(r["ratio"] > 0 for r in result["ratios"])
+
+
+def test_nano_vllm_workload_is_nano_vllms():
+    w = nano_vllm_workload()
+    assert len(w.prompts) == 256 and w.num_output_tokens == 133_966
+    assert all(100 <= len(p) <= 1024 and max(p) <= 10000 for p in w.prompts)
+
+
+def test_recompute_matches_the_kv_cache_engine():
+    engine = build_engine(EngineArgs(load_format="dummy", model_preset="tiny-llama"))
+    prompts = [[5, 9, 17, 3, 200, 41, 7], [11, 2, 99]]
+    cached = [o.outputs[0].token_ids for o in generate(
+        engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    assert recompute_generate(engine, prompts, [12, 12], temperature=0.0) == cached
+
+
+def test_parse_sweep():
+    assert parse_sweep(None) == [{}]
+    assert parse_sweep(["block_size=16,32", "--enable-prefix-caching=false", "timeout_s=none"]) == [
+        {"block_size": 16, "enable_prefix_caching": False, "timeout_s": None},
+        {"block_size": 32, "enable_prefix_caching": False, "timeout_s": None}]
+    with pytest.raises(ValueError, match="not an engine option"):
+        parse_sweep(["block_sizes=16"])
+    with pytest.raises(ValueError, match="OPTION=V1"):
+        parse_sweep(["block_size"])
+
+
+def test_weight_bytes_counts_one_embedding_row():
+    engine = build_engine(EngineArgs(load_format="dummy", model_preset="tiny-llama"))
+    total, read = weight_bytes(engine.runner.model)
+    assert total == 4 * sum(p.numel() for p in engine.runner.model.parameters())
+    assert total - read == 4 * (256 - 1) * 64  # untied: the embedding table minus the one row a token reads
+
+
+def test_kernel_backend_env(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_KERNELS", "torch")
+    assert get_ops(torch.device("cuda")).paged_attention is torch_ref.paged_attention
+    monkeypatch.setenv("TOKENMILL_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="TOKENMILL_KERNELS"):
+        get_ops("cpu")

@@ -1,0 +1,183 @@
+"""The OpenAI-compatible endpoints through the official `openai` client and raw HTTP."""
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from tokenmill import __version__
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat_prompt_tokens(server, messages) -> int:
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def test_models_health_version(server, client, model_name):
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == model_name
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+
+
+def test_chat_non_streaming_exact_usage(server, client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == chat_prompt_tokens(server, MESSAGES)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_chat_streaming_matches_non_streaming(server, client, model_name):
+    kwargs = dict(model=model_name, messages=MESSAGES, max_completion_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_stream_is_sse_ending_in_done(server, model_name):
+    body = {"model": model_name, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e[6:])["object"] == "chat.completion.chunk"
+
+
+def test_completions_non_streaming_and_streaming(server, client, model_name):
+    kwargs = dict(model=model_name, prompt="The capital of France is", max_tokens=6, temperature=0)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert full.object == "text_completion"
+    assert full.usage.completion_tokens == 6 and full.choices[0].finish_reason == "length"
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": kwargs["prompt"]}).json()
+    assert full.usage.prompt_tokens == tokens["count"]
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_completions_batch_and_token_ids(client, model_name):
+    r = client.completions.create(model=model_name, prompt=["Hello", "One, two,"], n=2, max_tokens=3,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 12
+    r = client.completions.create(model=model_name, prompt=[504, 3458, 314], max_tokens=3,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 3
+
+
+def test_n_seed_and_extra_sampling_fields(client, model_name):
+    kwargs = dict(model=model_name, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=1234, n=3,
+                  extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "priority": 1,
+                              "ignore_eos": True})
+    a = client.chat.completions.create(**kwargs)
+    b = client.chat.completions.create(**kwargs, presence_penalty=0.5, frequency_penalty=0.0, user="tester")
+    c = client.chat.completions.create(**kwargs)
+    assert sorted(ch.index for ch in a.choices) == [0, 1, 2]
+    assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in c.choices]
+    assert a.usage.completion_tokens == b.usage.completion_tokens == 24
+
+
+def test_stop_strings(client, model_name):
+    free = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    r = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0, stop=[stop])
+    assert stop not in r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
+    assert text.startswith(r.choices[0].text)
+
+
+def test_logprobs(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.token == entry.top_logprobs[0].token  # greedy picks the most likely token
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    c = client.completions.create(model=model_name, prompt="Hello", max_tokens=3, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert lp.text_offset[0] == 0
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024
+    d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert d == {"prompt": "Hello world"}
+
+
+def test_openapi_schema(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    paths = schema["paths"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+                 "/detokenize", "/version"):
+        assert path in paths
+    schemas = schema["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    for field in ("messages", "stream", "stream_options", "n", "stop", "seed", "logprobs", "top_logprobs", "max_tokens",
+                  "max_completion_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "user",
+                  "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority"):
+        assert field in chat, field
+    assert chat["temperature"]["maximum"] == 2.0
+    assert "ChatCompletionChunk" in schemas and "ErrorResponse" in schemas
+    post = paths["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "429", "503"} <= set(post)
+    assert "text/event-stream" in post["200"]["content"]
+
+
+def test_web_ui_served(server):
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and "<title>tokenmill</title>" in page.text
+    assert httpx.get(server.url + "/static/ui.js").status_code == 200
+    stats = httpx.get(server.url + "/stats").json()
+    assert {"model", "stats", "points"} <= set(stats)
+
+
+METRIC_NAMES = [
+    "tokenmill:time_to_first_token_seconds_bucket", "tokenmill:request_time_per_output_token_seconds_bucket",
+    "tokenmill:inter_token_latency_seconds_bucket", "tokenmill:e2e_request_latency_seconds_bucket",
+    "tokenmill:request_queue_time_seconds_bucket", "tokenmill:request_prefill_time_seconds_bucket",
+    "tokenmill:request_decode_time_seconds_bucket", "tokenmill:num_requests_running",
+    "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc", "tokenmill:kv_cache_used_tokens",
+    "tokenmill:kv_cache_block_utilization", "tokenmill:prompt_tokens_total", "tokenmill:generation_tokens_total",
+    "tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total", "tokenmill:num_preemptions_total",
+    "tokenmill:request_abort_total", "tokenmill:request_rejected_total", "tokenmill:oom_total",
+    "tokenmill:batch_size_prefill_bucket", "tokenmill:batch_size_decode_bucket", "tokenmill:request_success_total"]
+
+
+def test_metric_names(server, client, model_name):
+    client.completions.create(model=model_name, prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True})
+    names = {k.split("{")[0] for k in server.metrics()}
+    assert [n for n in METRIC_NAMES if n not in names] == []
+
+
+def test_metrics_count_tokens(server, client, model_name):
+    before = server.metric("tokenmill:generation_tokens_total")
+    done = server.metric("tokenmill:request_success_total", finished_reason="length")
+    client.completions.create(model=model_name, prompt="Hi there", max_tokens=5, extra_body={"ignore_eos": True})
+    assert server.metric("tokenmill:generation_tokens_total") == before + 5
+    assert server.metric("tokenmill:request_success_total", finished_reason="length") == done + 1
+    assert server.metric("tokenmill:num_requests_running") == 0

@@ -1,0 +1,178 @@
+"""Bad input gets a clear error in OpenAI's shape, and nothing else breaks: no 500s, the engine loop lives on."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import openai
+import pytest
+from serve_helpers import Server
+
+CHAT = "/v1/chat/completions"
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def post(server, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=60, **kwargs)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and contains in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("body, param", [
+    ("{not json", None),
+    ("", None),
+    ("[1, 2]", None),
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": OK_MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"messages": OK_MESSAGES, "temperature": 2.5}, "temperature"),
+    ({"messages": OK_MESSAGES, "top_p": 0}, "top_p"),
+    ({"messages": OK_MESSAGES, "n": 0}, "n"),
+    ({"messages": OK_MESSAGES, "n": True}, "n"),
+    ({"messages": OK_MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "max_tokens": "8"}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "seed": -1}, "seed"),
+    ({"messages": OK_MESSAGES, "stop": 5}, "stop"),
+    ({"messages": OK_MESSAGES, "stop": [""]}, "stop"),
+    ({"messages": OK_MESSAGES, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ({"messages": OK_MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": OK_MESSAGES, "presence_penalty": 3}, "presence_penalty"),
+    ({"messages": OK_MESSAGES, "top_k": -5}, "top_k"),
+    ({"messages": OK_MESSAGES, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": OK_MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": OK_MESSAGES, "timeout_s": -1}, "timeout_s"),
+])
+def test_bad_chat_requests_are_400(server, body, param):
+    assert_error(post(server, CHAT, body), 400, param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [10 ** 9]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 2000}, "max_tokens"),
+])
+def test_bad_completion_requests_are_400(server, body, param):
+    assert_error(post(server, "/v1/completions", body), 400, param)
+
+
+def test_prompt_longer_than_context_names_both_lengths(server):
+    n = httpx.post(server.url + "/tokenize", json={"prompt": "hello " * 1500}).json()["count"]
+    err = assert_error(post(server, "/v1/completions", {"prompt": "hello " * 1500}), 400, "prompt", "1024")
+    assert err["code"] == "context_length_exceeded" and f"{n} tokens" in err["message"]
+    r = post(server, CHAT, {"messages": [{"role": "user", "content": "hello " * 1500}]})
+    assert "1024" in assert_error(r, 400, "messages")["message"]
+
+
+def test_unknown_model_and_path_are_404(server, client):
+    assert_error(post(server, CHAT, {"model": "gpt-4", "messages": OK_MESSAGES}), 404, "model", "gpt-4")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=OK_MESSAGES)
+    assert_error(httpx.get(server.url + "/v1/nothing-here"), 404)
+    assert_error(httpx.get(server.url + CHAT), 405)
+
+
+def test_openai_client_raises_bad_request(client, model_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=[], max_tokens=4)
+    assert e.value.body["param"] == "messages"
+
+
+def test_random_garbage_never_500(server):
+    rng = random.Random(0)
+    fields = ["messages", "prompt", "model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream",
+              "logprobs", "top_logprobs", "stream_options", "top_k", "priority", "ignore_eos", "timeout_s"]
+    values = [None, 0, -1, 1.5, 10 ** 30, "", "x", [], [1], [[1, 2]], {}, {"role": "user"}, True, "\u0000", [None],
+              [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], float("nan")]
+    for _ in range(60):
+        body = {k: rng.choice(values) for k in rng.sample(fields, rng.randint(1, 6))}
+        for path in (CHAT, "/v1/completions", "/tokenize", "/detokenize"):
+            r = post(server, path, json.dumps(body, allow_nan=True))
+            assert r.status_code < 500, (path, body, r.text)
+            if r.status_code >= 400:
+                assert "error" in r.json()
+    for raw in (b"\xff\xfe", b"{" * 10000, b"null", b"1e999999", b'{"messages": [' + b"[" * 5000 + b"]"):
+        assert post(server, CHAT, raw).status_code < 500
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_engine_survives_errors(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=OK_MESSAGES, max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+# ---- a server with an API key, a small body limit and a tiny queue ----------------------------------------
+@pytest.fixture(scope="module")
+def strict_server():
+    s = Server("--max-model-len", "1024", "--api-key", "sesame", "--max-request-bytes", "4096",
+               "--max-num-seqs", "1", "--max-queue-len", "1")
+    yield s
+    s.stop()
+
+
+def test_api_key(strict_server):
+    body = {"messages": OK_MESSAGES, "max_tokens": 2}
+    assert_error(post(strict_server, CHAT, body), 401)
+    r = httpx.post(strict_server.url + CHAT, json=body, headers={"Authorization": "Bearer wrong"})
+    assert_error(r, 401)
+    assert r.headers["www-authenticate"] == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=strict_server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=strict_server.url + "/v1", api_key="sesame", max_retries=0)
+    assert good.chat.completions.create(model=good.models.list().data[0].id, messages=OK_MESSAGES,
+                                        max_tokens=2).choices
+    assert httpx.get(strict_server.url + "/health").status_code == 200  # outside /v1: open
+
+
+def test_oversized_body_is_413(strict_server):
+    headers = {"Authorization": "Bearer sesame"}
+    body = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_error(httpx.post(strict_server.url + CHAT, json=body, headers=headers), 413, None, "4096")
+
+    def chunks():
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}]}'
+    assert_error(httpx.post(strict_server.url + CHAT, content=chunks(), headers=headers), 413)
+
+
+def test_full_queue_is_429_with_retry_after(strict_server):
+    headers = {"Authorization": "Bearer sesame"}
+    body = {"messages": OK_MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=strict_server.url, headers=headers, timeout=60) as c:
+            async with c.stream("POST", CHAT, json=body) as running:    # takes the only running slot
+                assert running.status_code == 200
+                lines = running.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+                async with c.stream("POST", CHAT, json=body) as waiting:  # fills the queue of one
+                    assert waiting.status_code == 200
+                    return await c.post(CHAT, json=body)
+
+    r = asyncio.run(scenario())
+    err = assert_error(r, 429)
+    assert err["type"] == "rate_limit_error"
+    assert int(r.headers["retry-after"]) >= 1
+    assert strict_server.metric("tokenmill:request_rejected_total", reason="queue_full") >= 1

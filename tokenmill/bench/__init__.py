@@ -1,0 +1,1 @@
+"""Benchmarks: `tokenmill bench ...`."""

@@ -1,0 +1,52 @@
+"""--sweep: a grid search over engine options. Each combination gets a fresh engine, so none inherits another's
+KV pool, prefix cache or CUDA graphs."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import typing
+from typing import Any
+
+from tokenmill.config import EngineArgs
+
+SWEEP_HELP = ("grid search over engine options, one row per combination: e.g. --sweep block_size=16,32 "
+              "max_num_seqs=64,256 max_num_batched_tokens=2048,8192")
+
+
+def add_sweep_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", nargs="+", default=None, metavar="OPTION=V1,V2", help=SWEEP_HELP)
+
+
+def _parse_value(name: str, text: str) -> Any:
+    hint = typing.get_type_hints(EngineArgs)[name]
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    if text.lower() == "none" and base is not hint:
+        return None
+    if base is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"--sweep {name}: {text!r} is not a boolean (true/false)")
+        return text.lower() in ("true", "1")
+    return base(text)
+
+
+def parse_sweep(specs: list[str] | None) -> list[dict[str, Any]]:
+    """['block_size=16,32', 'max_num_seqs=64'] -> [{'block_size': 16, 'max_num_seqs': 64}, {'block_size': 32, ...}];
+    no specs -> one empty combination (the engine as configured)."""
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    axes: dict[str, list[Any]] = {}
+    for spec in specs or []:
+        name, sep, values = spec.partition("=")
+        name = name.strip().lstrip("-").replace("-", "_")
+        if not sep or not values:
+            raise ValueError(f"--sweep takes OPTION=V1,V2,...; got {spec!r}")
+        if name not in fields:
+            raise ValueError(f"--sweep: {name!r} is not an engine option; e.g. block_size, max_num_seqs, "
+                             "max_num_batched_tokens")
+        axes[name] = [_parse_value(name, v.strip()) for v in values.split(",")]
+    return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+
+
+def combination_args(base: EngineArgs, combo: dict[str, Any]) -> EngineArgs:
+    """The base options with this combination's overrides (validated again by EngineArgs)."""
+    return dataclasses.replace(base, **combo)

@@ -1,0 +1,96 @@
+"""Every failure leaves the server in OpenAI's error shape {"error": {"message", "type", "param", "code"}}, with
+the status a client can act on; an unexpected exception is a 500 for that one request, never a crash."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "service_unavailable", 504: "timeout_error"}
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def sse_error(err: APIError) -> str:
+    """An error inside an event stream, as OpenAI's client expects it."""
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages.0.content': union-member tags (type and model
+    names) are dropped, field names are snake_case."""
+    parts = [str(p) for p in loc[1:]
+             if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_NAMES and not p[0].isupper())]
+    return ".".join(parts) or None
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    """Pydantic's errors as one readable 400: the first problem of each field, at most three."""
+    messages: dict[str | None, str] = {}
+    for e in exc.errors():
+        loc = tuple(e.get("loc", ()))
+        if e.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}",
+                                  code="invalid_json")
+        param = _param(loc)
+        if param is None and e.get("type") == "missing":
+            return error_response(400, "the request needs a JSON body", code="missing_body")
+        if param is None:
+            return error_response(400, "the request body must be a JSON object", code="invalid_body")
+        messages.setdefault(param, f"{param}: {e['msg']}" if param else e["msg"])
+    first = next(iter(messages), None)
+    return error_response(400, "; ".join(list(messages.values())[:3]), param=first, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}
+        return error_response(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

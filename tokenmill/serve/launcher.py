@@ -1,0 +1,78 @@
+"""Running the server: load the engine, serve the app with uvicorn, and drain on SIGTERM.
+
+The first SIGTERM (or Ctrl-C) stops taking new requests (they get 503, and so does /health) while the requests in
+flight finish, for up to the grace period; whatever is left is then aborted and the process exits with status 0.
+A second signal exits at once."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from tokenmill.engine.arg_utils import engine_args_from
+from tokenmill.engine.async_engine import RequestFailedError
+
+logger = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.05
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None:
+            self.should_exit = self.force_exit = True
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        serving, engine = self.app.state.serving, self.app.state.engine
+        serving.draining = True
+        logger.info("draining: %d requests in flight, up to %.1f s", engine.num_in_flight, self.grace_s)
+        deadline = asyncio.get_running_loop().time() + self.grace_s
+        while engine.num_in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if engine.num_in_flight:
+            logger.warning("grace period over: aborting %d requests", engine.num_in_flight)
+            engine.abort_all("shutdown", RequestFailedError("the server shut down before the request finished"))
+        self.should_exit = True
+
+
+def served_model_name(ns: argparse.Namespace, model_path: str | None) -> str:
+    if ns.served_model_name:
+        return ns.served_model_name
+    if ns.model:
+        return ns.model
+    return os.path.basename(model_path or "tokenmill").removesuffix(".gguf")
+
+
+def run_server(ns: argparse.Namespace) -> None:
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.serve.api_server import ServerConfig, build_app
+
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_args_from(ns))
+    name = served_model_name(ns, engine.model_path)
+    app = build_app(engine, ServerConfig(model_name=name, model_root=engine.model_path or name, api_key=ns.api_key,
+                                         max_request_bytes=ns.max_request_bytes))
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
+                            timeout_graceful_shutdown=ns.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
+    DrainingServer(config, app, ns.shutdown_timeout).run()

@@ -1,0 +1,378 @@
+"""Chat completions and completions: a validated request becomes token ids, checked against the context, then
+engine requests; their outputs become one JSON response or a stream of server-sent events ending in [DONE].
+
+A request whose client goes away, streaming or not, is aborted at once, so its KV blocks are freed before the next
+engine step."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream, RequestTimeoutError
+from tokenmill.engine.llm_engine import QueueFullError
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.serve.errors import APIError, sse_error
+from tokenmill.serve.metrics import ServerMetrics
+from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                      CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                      DeltaMessage, TokenLogprob, TopLogprob, Usage, SamplingRequest)
+
+RETRY_AFTER_S = 1
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events. `on_close` runs however the response ends (the client may vanish before the first
+    event, or while the generator waits to be resumed): it aborts whatever did not finish."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            self._on_close()
+
+
+def _event(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.draining = False
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def _admit(self, req: SamplingRequest) -> None:
+        if self.draining:
+            self.metrics.on_reject("draining")
+            raise APIError(503, "the server is shutting down and takes no new requests", code="draining")
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer (dummy weights); text generation is unavailable")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, what: str) -> int:
+        limit = self.max_model_len
+        if prompt_len == 0:
+            raise APIError(400, f"the {what} is empty: at least one token is required", what, "empty_prompt")
+        if prompt_len >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the {what} has "
+                                f"{prompt_len} tokens (at least one must be left for the output); shorten the "
+                                f"{what}", what, "context_length_exceeded")
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
+                                f"{prompt_len + requested} were requested ({prompt_len} in the {what}, {requested} "
+                                "for the output); lower max_tokens or shorten the prompt", "max_tokens",
+                           "context_length_exceeded")
+        return requested
+
+    @staticmethod
+    def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                  min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  seed=req.seed, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from e
+
+    async def _add(self, prompts: list[tuple[str, list[int], SamplingParams]],
+                   req: SamplingRequest) -> list[RequestStream]:
+        """Hand the prompts to the engine, all or none."""
+        streams: list[RequestStream] = []
+        try:
+            for rid, ids, params in prompts:
+                streams.append(await self.engine.add_request(rid, ids, params, req.priority, req.timeout_s))
+        except BaseException as e:
+            self._abort(streams, "client_disconnect" if isinstance(e, asyncio.CancelledError) else "error")
+            if isinstance(e, QueueFullError):
+                self.metrics.on_reject("queue_full")
+                raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), code="invalid_value") from e
+            if isinstance(e, RequestFailedError):
+                raise APIError(503, str(e), code="engine_unavailable") from e
+            raise
+        return streams
+
+    def _abort(self, streams: list[RequestStream], reason: str) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request_id, reason)
+
+    def _request_error(self, e: Exception) -> APIError:
+        if isinstance(e, RequestTimeoutError):
+            return APIError(504, f"{e} and was aborted", code="request_timeout")
+        if self.draining:
+            return APIError(503, str(e), code="shutdown")
+        return APIError(500, str(e), code="engine_error")
+
+    async def _collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+        """The final output of each request; aborts them all if the client disconnects first."""
+        finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+
+        async def consume() -> None:
+            async for i, out in _merge(streams):
+                finals[i] = out
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_disconnect(raw))
+        reason = "client_disconnect"
+        try:
+            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer not in done:
+                raise APIError(499, "the client disconnected", code="client_disconnected")
+            try:
+                consumer.result()
+            except (RequestTimeoutError, RequestFailedError) as e:
+                reason = "error"
+                raise self._request_error(e) from e
+        finally:
+            consumer.cancel()
+            watcher.cancel()
+            self._abort(streams, reason)
+        return finals
+
+    # ---- token text -------------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, lps: list[Logprob]) -> ChatLogprobs:
+        def top(tid: int, lp: float) -> TopLogprob:
+            text = self._token_text(tid)
+            return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+
+        content = []
+        for lp in lps:
+            chosen = top(lp.token_id, lp.logprob)
+            content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[top(t, v) for t, v in lp.top.items()]))
+        return ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, lps: list[Logprob], offset: int) -> CompletionLogprobs:
+        tokens = [self._token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in lps],
+                                  top_logprobs=[{self._token_text(t): v for t, v in lp.top.items()} for lp in lps],
+                                  text_offset=offsets)
+
+    # ---- chat completions -------------------------------------------------------------------
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        except Exception as e:
+            raise APIError(400, f"the chat template could not render these messages: {e}", "messages",
+                           "chat_template_error") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._admit(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
+        ids = self.chat_prompt_ids(req.messages)
+        max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages")
+        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        streams = await self._add([(rid, ids, params)], req)
+        if req.stream:
+            return EventStreamResponse(self._chat_events(rid, created, streams, req, len(ids)),
+                                       lambda: self._abort(streams, "client_disconnect"))
+        out = (await self._collect(streams, raw))[0]
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                              logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
+                   for c in out.outputs]
+        body = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                      usage=self._usage(len(ids), out.outputs))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _chat_events(self, rid: str, created: int, streams: list[RequestStream], req: ChatCompletionRequest,
+                           prompt_len: int) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(choice: ChatChunkChoice) -> str:
+            c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice])
+            return f"data: {c.model_dump_json(exclude=exclude)}\n\n"
+
+        started = [False] * req.n
+        sent_logprobs = [0] * req.n
+        finished: list[CompletionOutput] = []
+        try:
+            async for _, out in _merge(streams):
+                for c in out.outputs:
+                    if not started[c.index]:
+                        started[c.index] = True
+                        yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                    lps = None
+                    if req.logprobs and c.delta_token_ids:
+                        new = c.logprobs[sent_logprobs[c.index]:sent_logprobs[c.index] + len(c.delta_token_ids)]
+                        sent_logprobs[c.index] += len(new)
+                        lps = self._chat_logprobs(new)
+                    if c.delta_text or c.finish_reason or lps is not None:
+                        yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
+                                                    logprobs=lps, finish_reason=c.finish_reason))
+                    if c.finished:
+                        finished.append(c)
+            if include_usage:
+                usage = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
+                                            usage=self._usage(prompt_len, finished))
+                yield _event(usage)
+            yield "data: [DONE]\n\n"
+        except (RequestTimeoutError, RequestFailedError) as e:
+            self._abort(streams, "error")
+            yield sse_error(self._request_error(e))
+            yield "data: [DONE]\n\n"
+
+    # ---- completions ------------------------------------------------------------------------
+    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]  # type: ignore[list-item]
+        else:
+            prompts = list(prompt)  # type: ignore[arg-type]
+        if not prompts:
+            raise APIError(400, "prompt is empty: give a string, a list of strings, or token ids", "prompt",
+                           "empty_prompt")
+        vocab = self.engine.engine.model_config.vocab_size
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids.append(self.tokenizer.encode(p))
+                continue
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "prompt", "invalid_value")
+            ids.append(list(p))
+        return ids
+
+    async def completion(self, req: CompletionRequest, raw: Request) -> Response:
+        self._admit(req)
+        prompts = self._completion_prompts(req.prompt)
+        max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt") for ids in prompts]
+        if len(set(max_tokens)) > 1:  # max_tokens null with prompts of several lengths: each gets its own budget
+            params = [self._sampling_params(req, m, req.logprobs) for m in max_tokens]
+        else:
+            params = [self._sampling_params(req, max_tokens[0], req.logprobs)] * len(prompts)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        streams = await self._add([(f"{rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))], req)
+        prompt_len = sum(len(ids) for ids in prompts)
+        if req.stream:
+            return EventStreamResponse(self._completion_events(rid, created, streams, req, prompt_len),
+                                       lambda: self._abort(streams, "client_disconnect"))
+        outs = await self._collect(streams, raw)
+        choices, completions = [], []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                completions.append(c)
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=c.text, finish_reason=c.finish_reason,
+                                                logprobs=self._completion_logprobs(c.logprobs, 0)
+                                                if req.logprobs is not None else None))
+        body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                  usage=self._usage(prompt_len, completions))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _completion_events(self, rid: str, created: int, streams: list[RequestStream], req: CompletionRequest,
+                                 prompt_len: int) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        exclude = None if include_usage else {"usage"}
+        sent_logprobs: dict[int, int] = {}
+        text_len: dict[int, int] = {}
+        finished: list[CompletionOutput] = []
+        try:
+            async for i, out in _merge(streams):
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    lps = None
+                    if req.logprobs is not None and c.delta_token_ids:
+                        start = sent_logprobs.get(index, 0)
+                        new = c.logprobs[start:start + len(c.delta_token_ids)]
+                        sent_logprobs[index] = start + len(new)
+                        lps = self._completion_logprobs(new, text_len.get(index, 0))
+                        text_len[index] = text_len.get(index, 0) + sum(len(t) for t in lps.tokens)
+                    if c.delta_text or c.finish_reason or lps is not None:
+                        choice = CompletionChoice(index=index, text=c.delta_text, logprobs=lps,
+                                                  finish_reason=c.finish_reason)
+                        body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+                        yield f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+                    if c.finished:
+                        finished.append(c)
+            if include_usage:
+                yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                                usage=self._usage(prompt_len, finished)))
+            yield "data: [DONE]\n\n"
+        except (RequestTimeoutError, RequestFailedError) as e:
+            self._abort(streams, "error")
+            yield sse_error(self._request_error(e))
+            yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _usage(prompt_len: int, outputs: list[CompletionOutput]) -> Usage:
+        completion = sum(len(c.token_ids) for c in outputs)
+        return Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
