@@ -43,12 +43,12 @@ def test_latency(tmp_path):
 
 
 def test_throughput_with_sweep(tmp_path):
-    result = run_bench(tmp_path, "throughput", "--num-requests", "4", "--max-input-len", "16", "--max-output-len", "8",
+    result = run_bench(tmp_path, "throughput", "--num-requests", "4", "--max-input-len", "8", "--max-output-len", "6",
                        "--sweep", "block_size=8,16", "max-num-seqs=2")
     rows = result["results"]
     assert [(r["block_size"], r["max_num_seqs"], r["temperature"]) for r in rows] == [
         (8, 2, 0.6), (8, 2, 0.0), (16, 2, 0.6), (16, 2, 0.0)]
-    expected = nano_vllm_workload(4, 16, 8, vocab_size=256).num_output_tokens
+    expected = nano_vllm_workload(4, 8, 6, vocab_size=256).num_output_tokens
     for row in rows:
         assert row["output_tokens"] == expected
         assert_positive(row, "elapsed_s", "output_tokens_per_s", "total_tokens_per_s", "requests_per_s")
@@ -56,7 +56,7 @@ def test_throughput_with_sweep(tmp_path):
 
 
 def test_ablation(tmp_path):
-    result = run_bench(tmp_path, "ablation", "--num-requests", "6", "--max-input-len", "16", "--max-output-len", "8",
+    result = run_bench(tmp_path, "ablation", "--num-requests", "4", "--max-input-len", "8", "--max-output-len", "6",
                        "--max-num-seqs", "2", "--naive-requests", "2", "--naive-max-tokens", "4")
     rows = {r["step"]: r for r in result["results"]}
     measured = ["recompute, no KV cache", "KV cache, static batching", "continuous batching"]

@@ -94,9 +94,10 @@ def median(values: Sequence[float]) -> float:
 
 # ---- model facts --------------------------------------------------------------------------------
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of all weights, bytes one decode token reads): every weight once, except an embedding table not
-    shared with the LM head, of which a token reads one row."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """(bytes of all weights, bytes one decode token reads): every weight once (with a quantized weight's scales),
+    except an embedding table not shared with the LM head, of which a token reads one row."""
+    scales = [b for name, b in model.named_buffers() if name.rpartition(".")[2].startswith("weight")]
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *scales])
     head_weights = {id(m.weight) for m in model.modules() if isinstance(m, LMHead)}
     read = total
     for m in model.modules():

@@ -165,6 +165,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=40,
                    help="prompt tokens when the model has no chat template, e.g. dummy weights (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians reported (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per figure; medians reported (default: %(default)s)")
     add_common_args(p)
     p.set_defaults(func=run)

@@ -85,7 +85,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("latency", help="batch-1 decode tokens/s, prefill tokens/s and achieved weight bandwidth")
     p.add_argument("--input-len", type=int, default=16, help="prompt tokens of the decode run (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=256, help="new tokens of the decode run (default: %(default)s)")
-    p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill run (default: %(default)s)")
+    p.add_argument("--prefill-len", type=int, default=512,
+                   help="prompt tokens of the prefill run (default: %(default)s)")
     p.add_argument("--num-iters", type=int, default=3, help="timed runs; medians are reported (default: %(default)s)")
     p.add_argument("--num-warmup", type=int, default=1, help="untimed runs first (default: %(default)s)")
     add_sweep_arg(p)
