@@ -20,7 +20,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.arg_utils import add_engine_args
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels import KERNELS_ENV
-from tokenmill.layers.embedding import ParallelLMHead as LMHead, VocabParallelEmbedding as VocabEmbedding
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -98,10 +98,10 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     except an embedding table not shared with the LM head, of which a token reads one row."""
     scales = [b for name, b in model.named_buffers() if name.rpartition(".")[2].startswith("weight")]
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *scales])
-    head_weights = {id(m.weight) for m in model.modules() if isinstance(m, LMHead)}
+    head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
     read = total
     for m in model.modules():
-        if isinstance(m, VocabEmbedding) and id(m.weight) not in head_weights:
+        if isinstance(m, VocabParallelEmbedding) and id(m.weight) not in head_weights:
             read -= (m.weight.shape[0] - 1) * m.weight.shape[1] * m.weight.element_size()
     return total, read
 
