@@ -158,8 +158,10 @@ class EngineArgs:
     enforce_eager: bool = False
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
-    speculative: str | None = None
-    num_speculative_tokens: int = 4
+    speculative: str | None = None          # None | "ngram" | "draft:<model>[@<quantization>]" (docs/SPECULATIVE.md)
+    num_speculative_tokens: int = 4         # most draft tokens per request per step (the adaptive rule picks fewer)
+    prompt_lookup_max: int = 4              # n-gram proposer: longest suffix looked up ...
+    prompt_lookup_min: int = 2              # ... and shortest
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -173,3 +175,14 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):
+            raise ValueError(f"speculative must be 'ngram' or 'draft:<model>[@<quantization>]', "
+                             f"got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: the tensor-parallel layers exist "
+                             "but the multi-process engine launch does not yet; only 1 is supported")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")

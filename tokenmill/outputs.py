@@ -41,7 +41,7 @@ class RequestMetrics:
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the request's own list, not a copy (no O(n) copy per step): copy to keep a snapshot
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
     logprobs: list[Logprob] | None = None

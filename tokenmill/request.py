@@ -24,7 +24,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 
 class Request:
@@ -49,6 +53,7 @@ class Request:
         self.logprobs: list[Logprob] | None = [] if sampling_params.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.block_hashes: list[int] = []   # chained hashes of this request's full blocks, filled lazily
+        self.spec_token_ids: list[int] = []  # draft tokens to verify next step; never in all_token_ids
         self.output_text = ""
         self.sent_text_len = 0              # characters of output_text already streamed
         self.sent_token_len = 0             # output tokens already streamed
@@ -68,7 +73,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

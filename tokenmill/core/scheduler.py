@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -21,12 +22,13 @@ class QueueFullError(RuntimeError):
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    num_spec_tokens: int = 0    # of num_new_tokens, draft tokens to verify (the last ones)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so it yields logits to sample."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + self.num_spec_tokens
 
 
 @dataclass
@@ -36,6 +38,8 @@ class SchedulerOutput:
     timed_out: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_prefill_reqs: int = 0
+    num_decode_reqs: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -58,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.clock: Callable[[], float] = time.monotonic   # the simulator swaps in its virtual clock
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
@@ -106,6 +111,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.append(request)
@@ -122,7 +128,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        now = time.monotonic()
+        now = self.clock()
         for req in [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]:
             self.finish_request(req, RequestStatus.FINISHED_ABORTED, reason="timeout")
             self.stats.num_timeouts += 1
@@ -140,7 +146,15 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv_cache.allocate_slots(req, num_new):
+            num_spec = 0
+            if req.spec_token_ids:  # draft tokens ride after the last token, in the budget left
+                reaches_end = num_new == req.num_tokens - req.num_computed_tokens
+                num_spec = min(len(req.spec_token_ids), budget - num_new) if reaches_end else 0
+                del req.spec_token_ids[num_spec:]
+            while not self.kv_cache.allocate_slots(req, num_new + num_spec):
+                if num_spec:  # speculation never costs a preemption: drop the drafts first
+                    num_spec, req.spec_token_ids = 0, []
+                    continue
                 victim = self._victim([r for r in self.running if r.request_id not in scheduled_ids])
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -148,17 +162,19 @@ class Scheduler:
                     break
                 i = self.running.index(req)
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
+                out.scheduled.append(ScheduledRequest(req, num_new + num_spec, num_spec))
                 scheduled_ids.add(req.request_id)
-                budget -= num_new
+                budget -= num_new + num_spec
                 i += 1
         if len(out.preempted) == num_urgent_preempted:  # blocks ran short while decoding: admit nobody
             self._admit(now, budget, long_slots, out)
         for s in out.scheduled:
             if s.request.num_computed_tokens < s.request.num_prompt_tokens:
                 out.num_prefill_tokens += s.num_new_tokens
+                out.num_prefill_reqs += 1
             else:
                 out.num_decode_tokens += s.num_new_tokens
+                out.num_decode_reqs += 1
         return out
 
     def _admit(self, now: float, budget: int, long_slots: list[int], out: SchedulerOutput) -> None:
@@ -204,9 +220,18 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            if s.num_spec_tokens:
+                req.spec_token_ids = []
             token = sampled.get(req.request_id)
             if token is not None:
                 req.append_token(token)
+
+    def rollback_rejected(self, request: Request) -> None:
+        """After a verification step: every token but the newest (sampled, not yet computed) one has valid K/V,
+        accepted drafts included; the slots past them held rejected drafts, and blocks holding only those
+        go back to the pool."""
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv_cache.trim(request, request.num_computed_tokens)
 
     def finish_request(self, request: Request, status: RequestStatus, reason: int | str | None = None) -> None:
         if request.is_finished:

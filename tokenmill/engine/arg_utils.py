@@ -33,8 +33,10 @@ _HELP = {
     "enforce_eager": "disable CUDA graphs",
     "quantization": "weight quantization: int8 | int4",
     "kv_cache_dtype": "auto | fp8 | int8",
-    "speculative": "ngram | draft:<model>",
-    "num_speculative_tokens": "tokens proposed per speculative step",
+    "speculative": "speculative decoding: ngram | draft:<model>[@<quantization>] (<model> 'self': the target)",
+    "num_speculative_tokens": "most draft tokens per request per step",
+    "prompt_lookup_max": "n-gram speculation: longest suffix looked up in the request's own tokens",
+    "prompt_lookup_min": "n-gram speculation: shortest suffix looked up",
     "tensor_parallel_size": "GPUs (or CPU processes) to split the model over",
 }
 

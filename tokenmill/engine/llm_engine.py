@@ -19,6 +19,9 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.draft import load_draft
+from tokenmill.spec.rejection_sampler import VerifyOutput
+from tokenmill.spec.speculator import SpecStats, Speculator
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,8 +88,12 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
         self.eos_token_ids = eos
-        model = load_model(self.model_config, model_path, args.load_format, self.dtype, self.device, seed=args.seed)
-        self.runner = ModelRunner(model, self.model_config, args, self.device, self.dtype, max_len, eos)
+        model = load_model(self.model_config, model_path, args.load_format, self.dtype, self.device, seed=args.seed,
+                           quantization=args.quantization)
+        draft = load_draft(args, model_path, self.device, self.dtype) if (args.speculative or "").startswith("draft:") \
+            else None
+        self.runner = ModelRunner(model, self.model_config, args, self.device, self.dtype, max_len, eos,
+                                  extra_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -94,6 +101,7 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_long_partial_prefills=args.max_long_partial_prefills,
             priority_aging_s=args.priority_aging_s, timeout_s=args.timeout_s), self.kv_cache)
+        self.spec = Speculator(args, self.runner, self.kv_cache, self.scheduler, draft) if args.speculative else None
         self.groups: dict[str, _Group] = {}
         self.child_to_group: dict[str, _Group] = {}
         self._pending: dict[str, _Group] = {}   # groups with something to report at the next step
@@ -182,15 +190,35 @@ class LLMEngine:
             self._pending[req.parent_id] = self.child_to_group[req.request_id]
         if not out.is_empty:
             block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
-            result = self.runner.execute(out, block_ids)
+            result = (self.spec or self.runner).execute(out, block_ids)
             sampled_reqs = [s.request for s in out.scheduled if s.samples]
-            sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
-            self.scheduler.update_from_output(out, sampled)
-            now = time.monotonic()
-            for req, lp in zip(sampled_reqs, result.logprobs):
-                self._process_token(req, lp, now)
+            if isinstance(result, VerifyOutput):
+                self._process_verified(out, sampled_reqs, result)
+            else:
+                sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
+                self.scheduler.update_from_output(out, sampled)
+                now = time.monotonic()
+                for req, lp in zip(sampled_reqs, result.logprobs):
+                    self._process_token(req, lp, now)
+            if self.spec is not None:
+                self.spec.propose([r for r in sampled_reqs if not r.is_finished])
         self._record_step(out, time.perf_counter() - t0)
         return self._collect_outputs()
+
+    def _process_verified(self, out: SchedulerOutput, reqs: list[Request], result: VerifyOutput) -> None:
+        """A step that verified draft tokens: a request's tokens are judged one at a time, so a stop token, a
+        stop string or max_tokens ends it mid-way and drops the rest; then rejected drafts are rolled back."""
+        self.scheduler.update_from_output(out, {r.request_id: t[0] for r, t in zip(reqs, result.token_ids)})
+        now = time.monotonic()
+        for req, tokens, logprobs, num_drafts in zip(reqs, result.token_ids, result.logprobs, result.num_drafts):
+            self._process_token(req, logprobs[0], now)
+            for token, logprob in zip(tokens[1:], logprobs[1:]):
+                if req.is_finished:
+                    break
+                req.append_token(token)
+                self._process_token(req, logprob, now)
+            if num_drafts and not req.is_finished:
+                self.scheduler.rollback_rejected(req)
 
     def _process_token(self, req: Request, logprob: Any, now: float) -> None:
         m = req.metrics
@@ -227,7 +255,7 @@ class LLMEngine:
                 delta_ids = c.output_token_ids[c.sent_token_len:]
                 c.sent_token_len = c.num_output_tokens
                 completions.append(CompletionOutput(
-                    index=i, text=text, token_ids=list(c.output_token_ids),
+                    index=i, text=text, token_ids=c.output_token_ids,
                     finish_reason=c.status.value if c.is_finished else None, stop_reason=c.stop_reason,
                     logprobs=c.logprobs, delta_text=delta_text, delta_token_ids=delta_ids))
             finished = all(c.is_finished for c in group.children)
@@ -245,9 +273,7 @@ class LLMEngine:
     def _record_step(self, out: SchedulerOutput, elapsed: float) -> None:
         s = self.last_step
         s.num_prefill_tokens, s.num_decode_tokens = out.num_prefill_tokens, out.num_decode_tokens
-        s.num_decode_reqs = sum(1 for x in out.scheduled
-                                if x.request.num_computed_tokens - x.num_new_tokens >= x.request.num_prompt_tokens)
-        s.num_prefill_reqs = len(out.scheduled) - s.num_decode_reqs
+        s.num_prefill_reqs, s.num_decode_reqs = out.num_prefill_reqs, out.num_decode_reqs
         s.step_time = elapsed
 
     def _filled_slots(self) -> int:
@@ -284,4 +310,5 @@ class LLMEngine:
             "last_step_prefill_reqs": self.last_step.num_prefill_reqs,
             "last_step_decode_reqs": self.last_step.num_decode_reqs,
             "last_step_time_s": self.last_step.step_time,
+            **(self.spec.get_stats() if self.spec is not None else SpecStats().as_dict()),
         }

@@ -2,7 +2,7 @@
 
 Conventions shared with the Triton kernels (tokenmill/kernels/triton_*.py):
 - q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-- k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+- k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (quantized fp8/int8 caches: see quant_ref)
 - slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a negative slot is padding (skipped)
 - query_start_loc: [num_seqs + 1] int32, cumulative query lengths (tokens of sequence i are
   q[query_start_loc[i]:query_start_loc[i+1]])
@@ -16,22 +16,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.quant_ref import from_kv_cache, to_kv_cache
+
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys and values into their cache slots."""
+    """Scatter this step's keys and values into their cache slots (quantized for fp8/int8 caches)."""
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = to_kv_cache(k, k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = to_kv_cache(v, v_cache.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[n_blocks, block_size, heads, dim] rows of the cache (index_select with int64 ids: much faster
-    on the CPU than advanced indexing with int32)."""
-    return cache.index_select(0, block_ids.reshape(-1).long())
+    """[n_blocks, block_size, heads, dim] rows of the cache, int8 ones dequantized (index_select with int64
+    ids: much faster on the CPU than advanced indexing with int32)."""
+    return from_kv_cache(cache.index_select(0, block_ids.reshape(-1).long()))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -77,8 +79,8 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_size = k_cache.shape[1]
     nb = (int(seq_lens.max()) + block_size - 1) // block_size
     tables = block_tables[:, :nb]
-    k = _gather_blocks(k_cache, tables).view(num_seqs, nb * block_size, *k_cache.shape[2:])
-    v = _gather_blocks(v_cache, tables).view(num_seqs, nb * block_size, *v_cache.shape[2:])
+    k = _gather_blocks(k_cache, tables).view(num_seqs, nb * block_size, k_cache.shape[2], -1)
+    v = _gather_blocks(v_cache, tables).view(num_seqs, nb * block_size, v_cache.shape[2], -1)
     mask = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens[:, None]
     return _attend(q.unsqueeze(1), k, v, mask.unsqueeze(1), scale).squeeze(1)
 

@@ -1,8 +1,32 @@
-"""The Triton kernel set picked by get_ops on CUDA: every name in OP_NAMES, torch_ref's signatures."""
+"""The Triton kernel set picked by get_ops on CUDA: every name in OP_NAMES, torch_ref's signatures.
+An int8 KV cache (its dtype says so) goes to the kernels of triton_kv_quant; every other cache dtype,
+fp8 included, to the float ones."""
+import torch
+
+from tokenmill.kernels import triton_attention, triton_kv_quant, triton_rope_cache
 from tokenmill.kernels.triton_activation import silu_and_mul
-from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_norm import fused_add_rms_norm, rms_norm
-from tokenmill.kernels.triton_rope_cache import rope_and_cache, rotary_embedding, write_kv_cache
+from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
 __all__ = ["write_kv_cache", "paged_attention", "rotary_embedding", "rope_and_cache", "rms_norm",
            "fused_add_rms_norm", "silu_and_mul"]
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    impl = triton_kv_quant.write_kv_cache_int8 if k_cache.dtype == torch.int8 else triton_rope_cache.write_kv_cache
+    impl(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> torch.Tensor:
+    impl = triton_kv_quant.rope_and_cache_int8 if k_cache.dtype == torch.int8 else triton_rope_cache.rope_and_cache
+    return impl(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    max_query_len: int) -> torch.Tensor:
+    impl = triton_kv_quant.paged_attention_int8 if k_cache.dtype == torch.int8 else triton_attention.paged_attention
+    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len)

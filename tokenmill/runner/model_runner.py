@@ -11,35 +11,46 @@ import torch
 from tokenmill.config import EngineArgs, ModelConfig
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
+from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare_fp8_kv
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput
+from tokenmill.spec.rejection_sampler import RejectionSampler, VerifyOutput
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    """K and V of every layer for one token, in the cache's dtype (int8 rows carry their scales)."""
+    row = kv_row_width(config.head_dim, dtype) * dtype.itemsize
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * row
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, args: EngineArgs, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, eos_token_ids: list[int]) -> None:
+                 dtype: torch.dtype, max_model_len: int, eos_token_ids: list[int],
+                 extra_kv_bytes_per_token: int = 0) -> None:
+        """extra_kv_bytes_per_token: K/V a draft model keeps per token in blocks of the same ids; the pool is
+        sized so that both fit the memory budget."""
         self.model, self.config, self.args = model, model_config, args
+        self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
         self.device, self.dtype = device, dtype
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        self.kv_dtype = dtype
+        self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            prepare_fp8_kv(model, device, dtype, model_config.vocab_size)
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, device, args.seed)
+        self.rejection_sampler = RejectionSampler(self.sampler) if args.speculative else None
         self.graphs: CUDAGraphRunner | None = None
         if device.type == "cuda" and not args.enforce_eager:
             self.graphs = CUDAGraphRunner(self, args.max_num_seqs)
 
     # ---- memory -----------------------------------------------------------------------------
     def _num_blocks(self) -> int:
-        per_block = kv_bytes_per_token(self.config, self.kv_dtype) * self.block_size
+        per_block = (kv_bytes_per_token(self.config, self.kv_dtype) + self.extra_kv_bytes_per_token) * self.block_size
         if self.args.num_gpu_blocks_override:
             return self.args.num_gpu_blocks_override
         if self.args.kv_cache_memory is not None:
@@ -62,7 +73,8 @@ class ModelRunner:
         n = min(self.args.max_num_batched_tokens, self.max_model_len)
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
-                m.k_cache = torch.zeros(2, self.block_size, m.num_kv_heads, m.head_dim, dtype=self.kv_dtype,
+                width = kv_row_width(m.head_dim, self.kv_dtype)
+                m.k_cache = torch.zeros(2, self.block_size, m.num_kv_heads, width, dtype=self.kv_dtype,
                                         device=self.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
         meta = AttentionMetadata(
@@ -83,7 +95,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
-        shape = (2, c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (2, c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads,
+                 kv_row_width(c.head_dim, self.kv_dtype))
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         for i, m in enumerate(layers):
@@ -93,20 +106,22 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, block_ids: list[list[int]]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat batch tensors for a step; returns input ids, positions, metadata and the indices of the
-        rows whose logits are sampled."""
+        rows whose logits are sampled (with draft tokens: the last row and every draft row)."""
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens, sample_rows = [], [], [], [0], [], []
         for s, blocks in zip(out.scheduled, block_ids):
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             ids.extend(r.all_token_ids[start:end])
+            if s.num_spec_tokens:
+                ids.extend(r.spec_token_ids)
             p = np.arange(start, end)
             pos.append(p)
             slots.append(np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs)
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
             if s.samples:
-                sample_rows.append(qsl[-1] - 1)
+                sample_rows.extend(range(qsl[-1] - 1 - s.num_spec_tokens, qsl[-1]))
         max_blocks = max(len(b) for b in block_ids)
         tables = np.zeros((len(block_ids), max_blocks), dtype=np.int32)
         for i, b in enumerate(block_ids):
@@ -124,15 +139,25 @@ class ModelRunner:
         return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SamplerOutput | VerifyOutput:
+        """One step: sampled tokens, or, when some request carries draft tokens, the verified ones."""
+        logits = self.compute_logits(out, block_ids)
+        reqs = [s.request for s in out.scheduled if s.samples]
+        if logits is None:
+            return SamplerOutput([], [])
+        if self.rejection_sampler is not None and any(s.num_spec_tokens for s in out.scheduled):
+            return self.rejection_sampler(logits, reqs)
+        return self.sampler(logits, reqs)
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput, block_ids: list[list[int]]) -> torch.Tensor | None:
+        """Forward one step; the logits of the rows to sample, None if there are none."""
         input_ids, positions, meta, sample_rows = self.prepare(out, block_ids)
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(len(out.scheduled), meta):
             hidden = self.graphs.replay(input_ids, positions, meta)[: len(out.scheduled)]
         else:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)
-        reqs = [s.request for s in out.scheduled if s.samples]
-        if not reqs:
-            return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return self.sampler(logits, reqs)
+        if not sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[sample_rows])

@@ -28,7 +28,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def _request_generator(self, req: Request) -> torch.Generator:
+    def request_generator(self, req: Request) -> torch.Generator:
         gen = self.request_generators.get(req.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(req.sampling_params.seed)
@@ -63,42 +63,60 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: float32 [len(reqs), vocab] (rows past vocab_size, if any, are cut)."""
-        logits = logits[:, : self.vocab_size]
-        want_logprobs = [r.sampling_params.logprobs for r in reqs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-        self._apply_penalties(logits, reqs)
-        self._suppress_stop_tokens(logits, reqs)
+        logits, raw_logprobs = self.process(logits, reqs)
         params = [r.sampling_params for r in reqs]
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
-            scaled = logits / temps[:, None]
-            scaled = self._filter(scaled, params)
-            probs = torch.softmax(scaled, dim=-1)
-            noise = torch.empty_like(probs)
-            unseeded = [i for i, p in enumerate(params) if p.seed is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_(
-                    generator=self.generator)
-            for i, r in enumerate(reqs):
-                if params[i].seed is not None:
-                    noise[i].exponential_(generator=self._request_generator(r))
-            sampled = (probs / noise).argmax(dim=-1)
+        if not all(p.greedy for p in params):
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            sampled = self.race(self.probs(logits, params), reqs)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = tokens.tolist()
-        logprobs: list[Logprob | None] = [None] * len(reqs)
-        if raw_logprobs is not None:
-            for i, k in enumerate(want_logprobs):
-                if k is None:
-                    continue
-                row = raw_logprobs[i]
-                top = {}
-                if k > 0:
-                    vals, idx = row.topk(k)
-                    top = dict(zip(idx.tolist(), vals.tolist()))
-                logprobs[i] = Logprob(token_list[i], float(row[token_list[i]]), top)
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, reqs))
+
+    def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cut to the vocabulary, apply penalties and min_tokens in place; also the raw log-softmax when a
+        request asks for logprobs. Speculative verification shares this, so its target distribution is
+        exactly the one sampled here."""
+        logits = logits[:, : self.vocab_size]
+        want = any(r.sampling_params.logprobs is not None for r in reqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
+        self._apply_penalties(logits, reqs)
+        self._suppress_stop_tokens(logits, reqs)
+        return logits, raw_logprobs
+
+    def probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Temperature (1 for greedy rows), top-k / top-p / min-p, softmax."""
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        return torch.softmax(self._filter(logits / temps[:, None], params), dim=-1)
+
+    def race(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """One token per row drawn from probs: argmax(p / E), E ~ Exp(1), seeded rows from their own generator."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.sampling_params.seed is not None:
+                noise[i].exponential_(generator=self.request_generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def logprobs(raw_logprobs: torch.Tensor | None, token_list: list[int], reqs: list[Request]) -> list[Logprob | None]:
+        out: list[Logprob | None] = [None] * len(reqs)
+        if raw_logprobs is None:
+            return out
+        for i, r in enumerate(reqs):
+            k = r.sampling_params.logprobs
+            if k is None:
+                continue
+            row = raw_logprobs[i]
+            top = {}
+            if k > 0:
+                vals, idx = row.topk(k)
+                top = dict(zip(idx.tolist(), vals.tolist()))
+            out[i] = Logprob(token_list[i], float(row[token_list[i]]), top)
+        return out
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -73,7 +73,8 @@ class _EngineStatsCollector:
             ("spec_decode_num_draft_tokens", "draft tokens proposed", s["spec_num_draft_tokens"]),
             ("spec_decode_num_accepted_tokens", "draft tokens accepted", s["spec_num_accepted_tokens"]),
             ("spec_decode_draft_seconds", "seconds spent proposing draft tokens", s["spec_draft_time_s"]),
-            ("spec_decode_verify_seconds", "seconds of engine steps that verified draft tokens", s["spec_verify_time_s"]),
+            ("spec_decode_verify_seconds", "seconds of engine steps that verified draft tokens",
+             s["spec_verify_time_s"]),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])

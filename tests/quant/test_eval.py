@@ -1,0 +1,75 @@
+"""quant-eval and quantize end to end on the tiny checkpoint: metrics, sensitivity ranking, mixed plan,
+GPTQ, replay of a prompts file, and the CLI's table / JSON / plot."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenmill.cli import main
+from tokenmill.quant.eval import compare, evaluate
+from tokenmill.quant.formats import QuantFormat
+from tokenmill.quant.replay import parses_as_json
+
+
+def test_compare_identical_and_different() -> None:
+    windows = [[1, 2, 3, 4], [5, 6]]
+    lp = [torch.log_softmax(torch.randn(len(w), 10), -1) for w in windows]
+    same, kl = compare(windows, lp, lp)
+    assert same.kl_mean == 0 and same.top1_agreement == 1 and same.ppl_base == same.ppl_quant and kl.numel() == 6
+    other = [torch.log_softmax(x + torch.randn_like(x), -1) for x in lp]
+    diff, _ = compare(windows, lp, other)
+    assert diff.kl_mean > 0 and diff.kl_p99 >= diff.kl_mean
+
+
+def test_evaluate_tiny(tiny_model_dir: str) -> None:
+    r = evaluate(tiny_model_dir, QuantFormat.parse("int4-g32"), "int8", num_tokens=96, window=48, per_layer=True,
+                 skip_top=2, calibration="gptq", calibration_tokens=96, device="cpu")
+    assert r["windows"] == 2 and r["num_tokens"] == 96 and len(r["token_kl"]) == 96
+    assert 0 < r["kl_mean"] <= r["kl_p99"] * 10 and 0 < r["top1_agreement"] <= 1
+    ranks = [p["kl_mean"] for p in r["per_layer"]]
+    assert len(ranks) == 8 and ranks == sorted(ranks, reverse=True)
+    assert r["mixed"]["kept_16bit"] == [p["module"] for p in r["per_layer"][:2]]
+    assert r["linear_bytes"] < r["mixed"]["linear_bytes"] < r["linear_bytes_16bit"]
+
+
+def test_gptq_beats_rounding(tiny_model_dir: str) -> None:
+    """On the tiny model too, GPTQ lands closer to the float model than plain rounding."""
+    kw = dict(num_tokens=96, window=48, calibration_tokens=192, device="cpu")
+    gptq = evaluate(tiny_model_dir, QuantFormat.parse("int4-g32"), calibration="gptq", **kw)
+    rtn = evaluate(tiny_model_dir, QuantFormat.parse("int4-g32"), calibration="rtn", **kw)
+    assert gptq["kl_mean"] < rtn["kl_mean"]
+
+
+def test_evaluate_needs_something() -> None:
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        evaluate(None, None)
+
+
+def test_parses_as_json() -> None:
+    assert parses_as_json(' {"a": 1} ') and parses_as_json('```json\n[1, 2]\n```')
+    assert not parses_as_json("Sure! {") and not parses_as_json("")
+
+
+def test_cli(tiny_model_dir: str, tmp_path, capsys) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Give a JSON list of two numbers."}\n{"prompt": "Hi", "raw": true, "max_tokens": 3}\n')
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    main(["quant-eval", "--model", tiny_model_dir, "--method", "int8", "--kv-cache-dtype", "fp8", "--num-tokens",
+          "64", "--window", "32", "--per-layer", "--skip-top", "1", "--replay", str(prompts), "--max-tokens", "5",
+          "--json", str(out), "--plot", str(png), "--device", "cpu"])
+    text = capsys.readouterr().out
+    for key in ("KL mean / p99", "top-1 agreement", "perplexity", "most sensitive", "mixed precision", "replay of 2"):
+        assert key in text
+    r = json.loads(out.read_text())
+    assert r["method"] == "int8" and r["kv_cache_dtype"] == "fp8" and r["replay"]["prompts"] == 2
+    assert 0 <= r["replay"]["first_token_agreement"] <= 1 and len(r["token_kl"]) == 64
+    assert png.stat().st_size > 1000
+
+    main(["quantize", "--model", tiny_model_dir, "--method", "int4", "--group-size", "32", "--calibration", "rtn",
+          "--out", str(tmp_path / "q"), "--device", "cpu"])
+    assert "wrote int4-g32 model" in capsys.readouterr().out
+    main(["quant-eval", "--model", str(tmp_path / "q"), "--method", "none", "--kv-cache-dtype", "int8",
+          "--num-tokens", "32", "--window", "32", "--device", "cpu", "--json", "-"])
+    assert json.loads(capsys.readouterr().out)["method"] == "none"

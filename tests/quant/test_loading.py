@@ -1,0 +1,81 @@
+"""Quantization at load: GGUF blocks kept as they are, float checkpoints quantized on arrival, and
+`tokenmill quantize` folders that load back bit for bit (tokenizer and mixed-precision plan included)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tokenmill.layers.linear import Linear
+from tokenmill.model.loader import load_model, load_model_config
+from tokenmill.quant.corpus import WindowRunner
+from tokenmill.quant.formats import QuantFormat
+from tokenmill.quant.linear import QuantLinear
+from tokenmill.quant.loading import linear_modules, quantize_model
+from tokenmill.quant.quantize import quantize_checkpoint
+
+CPU = torch.device("cpu")
+IDS = list(range(1000, 1040))
+
+
+def _logprobs(model: torch.nn.Module) -> torch.Tensor:
+    return WindowRunner(model, len(IDS), CPU, torch.float32).logprobs(IDS)
+
+
+def test_gguf_native_equals_dequantized(default_model_path: str) -> None:
+    """quantization='gguf' keeps the Q4_1 blocks (INT4 g32) and computes what the dequantized model does."""
+    config = load_model_config(default_model_path)
+    native = load_model(config, default_model_path, quantization="gguf")
+    projections = linear_modules(native)
+    assert len(projections) == 4 * config.num_hidden_layers
+    assert all(isinstance(m, QuantLinear) and m.fmt == QuantFormat(4, 32) for m in projections.values())
+    dense = load_model(config, default_model_path)
+    assert torch.allclose(_logprobs(native), _logprobs(dense), atol=1e-4)
+
+
+def test_quantization_errors(tiny_model_dir: str, default_model_path: str) -> None:
+    config = load_model_config(tiny_model_dir)
+    with pytest.raises(ValueError, match="not a GGUF"):
+        load_model(config, tiny_model_dir, quantization="gguf")
+    with pytest.raises(ValueError, match="int5"):
+        load_model(config, tiny_model_dir, quantization="int5")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4-g32"])
+def test_quantize_at_load_equals_quantizing_after(tiny_model_dir: str, method: str) -> None:
+    config = load_model_config(tiny_model_dir)
+    at_load = load_model(config, tiny_model_dir, quantization=method)
+    after = load_model(config, tiny_model_dir)
+    quantize_model(after, dict.fromkeys(linear_modules(after), QuantFormat.parse(method)))
+    assert torch.equal(_logprobs(at_load), _logprobs(after))
+    dummy = load_model(config, None, "dummy", quantization=method)
+    assert all(isinstance(m, QuantLinear) for m in linear_modules(dummy).values())
+
+
+def test_quantize_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
+    """Save INT4 (g64: 96 inputs leave a partial group) with one projection kept in float; the folder loads
+    with its own quantization_config, bit for bit, and LLM generates from it with the exported tokenizer."""
+    from tokenmill import LLM, SamplingParams
+    skip = "model.layers.1.mlp.down_proj"
+    out = quantize_checkpoint(tiny_model_dir, QuantFormat.parse("int4-g64"), str(tmp_path / "q"), skip=[skip],
+                              dtype="float16", device="cpu")
+    qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert qc == {"quant_method": "tokenmill", "method": "int4", "group_size": 64, "modules_to_not_convert": [skip]}
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+
+    config = load_model_config(tiny_model_dir)
+    want = load_model(config, tiny_model_dir)
+    quantize_model(want, {n: QuantFormat.parse("int4-g64") for n in linear_modules(want) if n != skip})
+    for p in want.parameters():   # what the folder holds: the unquantized tensors in float16
+        if p.is_floating_point():
+            p.data = p.data.half().float()
+    got = load_model(load_model_config(out), out)
+    modules = linear_modules(got)
+    assert type(modules[skip]) is Linear and isinstance(modules["model.layers.0.mlp.down_proj"], QuantLinear)
+    assert torch.allclose(_logprobs(got), _logprobs(want), atol=1e-5)
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(load_model_config(out), out, quantization="int8")
+    llm = LLM(out, kv_cache_memory=8 << 20)
+    assert len(llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4

@@ -1,0 +1,54 @@
+"""Torch twins of the quantized kernels: the CPU implementation and the test oracle. Correct, not fast: a
+linear dequantizes its whole weight on every call (the Triton kernels in triton_quant.py never do).
+
+Quantized KV caches (the cache's dtype says which):
+- float8_e4m3fn [num_blocks, block_size, num_kv_heads, head_dim]: values clamped to +-448 and cast; any
+  per-tensor scale is folded into the model's weights beforehand (tokenmill/quant/kv_cache.py).
+- int8 [num_blocks, block_size, num_kv_heads, head_dim + 4]: each (token, head) row holds head_dim int8
+  values then its float32 scale in 4 bytes (little-endian), x = q * scale, scale = amax / 127.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.quant.formats import dequantize
+
+FP8_MAX = 448.0
+KV_SCALE_BYTES = 4
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 in_features: int, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight."""
+    return F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
+
+
+def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, head_dim] float -> int8 rows [tokens, heads, head_dim + 4] with the scale in-band."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = xf * inv
+    q = (torch.sign(q) * torch.floor(q.abs() + 0.5)).clamp(-127, 127).to(torch.int8)
+    return torch.cat((q, scale.view(torch.int8)), dim=-1)
+
+
+def dequantize_kv_int8(rows: torch.Tensor) -> torch.Tensor:
+    """int8 rows [..., head_dim + 4] -> float32 [..., head_dim]."""
+    scale = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return rows[..., :-KV_SCALE_BYTES].float() * scale
+
+
+def to_kv_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """This step's keys or values in the cache's representation."""
+    if cache_dtype == torch.int8:
+        return quantize_kv_int8(x)
+    if cache_dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def from_kv_cache(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as values (int8 rows dequantized; other dtypes are cast by the attention itself)."""
+    return dequantize_kv_int8(rows) if rows.dtype == torch.int8 else rows

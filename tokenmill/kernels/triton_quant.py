@@ -1,0 +1,176 @@
+"""Quantized-weight matmul in Triton: y = x @ W.T + b with W packed INT8 or INT4 (tokenmill/quant/formats.py),
+dequantized tile by tile in registers; no dequantized copy of W ever exists in memory.
+
+One kernel, two launch shapes. Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles, with
+the K loop split over programs until every multiprocessor streams weights (bandwidth is all that matters);
+the fp32 partial sums are reduced in a fixed order by a second kernel, so results are deterministic.
+Prefill / large batch: classic square-ish tiles, no split.
+
+INT4 tiles are handled in halves that match the packing: the byte at column i of a tile holds input
+(i // 16) * 32 + i % 16 (low nibble) and that input + 16 (high nibble), so a tile is two dots, one per
+nibble, against two x tiles loaded at those columns. Per-channel INT8 scales the accumulator once at the end.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Untuned starting points (no GPU to tune on when written); `python -m tokenmill.quant.bench` measures them.
+SKINNY_M = 16
+SKINNY = MatmulConfig(16, 64, 256, num_warps=4, num_stages=3)
+GEMM = MatmulConfig(64, 128, 64, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _group_param(ptr, row_off, n_mask, k0, n_groups,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
+    """Scale (or min) of each column of a tile of width BLOCK_K starting at k0, as [BLOCK_N, BLOCK_K // SPAN *
+    ...]: SPAN is how many tile columns one input group covers (GROUP for INT8, GROUP // 2 for INT4 halves)."""
+    if GROUP >= BLOCK_K:
+        g = k0 // GROUP
+        return tl.load(ptr + row_off + g, mask=n_mask & (g < n_groups), other=0.0).to(tl.float32)
+    else:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        g = k0 // GROUP + tl.arange(0, NG)
+        p = tl.load(ptr + row_off + g[None, :], mask=n_mask & (g < n_groups)[None, :], other=0.0).to(tl.float32)
+        return tl.reshape(tl.broadcast_to(p[:, :, None], [BLOCK_N, NG, SPAN]), [BLOCK_N, NG * SPAN])
+
+
+@triton.jit
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_groups, k_per_split,
+                         stride_xm, stride_wn, stride_sn, stride_om, stride_split,
+                         INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = (offs_m < M)[:, None]
+    n_mask = (offs_n < N)[:, None]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_off = offs_n.to(tl.int64)[:, None] * stride_sn
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
+    if INT4:
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_i = tl.arange(0, HALF)
+        col = (offs_i // 16) * 32 + offs_i % 16
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kl = k0 + col
+            kh = kl + 16
+            packed = tl.load(w_rows + (k0 // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
+            scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
+            low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
+            w_lo = ((packed & 15).to(tl.float32) * scale + low).to(dt)
+            w_hi = ((packed >> 4).to(tl.float32) * scale + low).to(dt)
+            x_lo = tl.load(x_rows + kl[None, :], mask=m_mask & (kl < K)[None, :], other=0.0)
+            x_hi = tl.load(x_rows + kh[None, :], mask=m_mask & (kh < K)[None, :], other=0.0)
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + offs_k
+            q = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
+            if PER_CHANNEL:
+                w = q.to(dt)  # |q| <= 127 is exact in every float type; the scale is applied at the end
+            else:
+                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP)
+                w = (q.to(tl.float32) * scale).to(dt)
+            x = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if PER_CHANNEL:
+            acc = acc * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask & (offs_n < N)[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * stride_split + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc,
+                 mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dt), mask=out_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over splits (in split order) + bias, cast to out's dtype; parts are [splits, M * N] fp32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(num_splits):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
+    """The skinny (split-K) config for decode-sized M, the GEMM config otherwise."""
+    if m > SKINNY_M:
+        return GEMM
+    cfg = SKINNY
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    target = 2 * _num_sms(device.index or 0) if device.type == "cuda" else 1
+    split = max(1, min(triton.cdiv(target, tiles), k_tiles, 16))
+    return MatmulConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 in_features: int, group: int, bias: torch.Tensor | None,
+                 config: MatmulConfig | None = None) -> torch.Tensor:
+    """x [..., in_features] @ W.T + bias, W packed INT8 (int8 qweight) or INT4 (uint8); same as quant_ref."""
+    int4 = qweight.dtype == torch.uint8
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n, k = x2.shape[0], qweight.shape[0], in_features
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    cfg = config or pick_config(m, n, k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
+    per_channel = not int4 and group >= k
+    _quant_matmul_kernel[grid](
+        x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias, part,
+        m, n, k, scales.shape[1], k_per_split,
+        x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+        INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](part, out if bias is None else bias, out, m * n, n,
+                                                          splits, HAS_BIAS=bias is not None, BLOCK=block)
+    return out.view(*lead, n)

@@ -1,0 +1,75 @@
+"""Offline quantization: round every projection (GPTQ-calibrated or plain), then write a loadable folder.
+quant-eval quantizes through quantize_weights too, so what it measures is what `tokenmill quantize` ships."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.config import parse_dtype
+from tokenmill.quant.checkpoint import save_quantized
+from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
+from tokenmill.quant.loading import linear_modules, replace_module
+from tokenmill.quant.linear import to_quant_linear
+from tokenmill.tokenizer import Tokenizer
+
+CALIBRATIONS = ("auto", "gptq", "rtn")
+CALIBRATION_WINDOW = 256
+
+
+def resolve_calibration(calibration: str, fmt: QuantFormat) -> str:
+    """'auto' is GPTQ for INT4 (plain rounding loses too much at 4 bits) and round-to-nearest for INT8."""
+    if calibration not in CALIBRATIONS:
+        raise ValueError(f"calibration {calibration!r} is not supported; allowed: {', '.join(CALIBRATIONS)}")
+    return ("gptq" if fmt.bits == 4 else "rtn") if calibration == "auto" else calibration
+
+
+def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, tokenizer: Tokenizer,
+                     calibration_tokens: int = 4096, skip: list[str] | tuple[str, ...] = ()
+                     ) -> dict[str, QuantizedWeight]:
+    """Every projection of a float model but `skip`, quantized: 'rtn' rounds each weight on its own (min/scale
+    fitted per group); 'gptq' also uses the layer inputs on the calibration corpus (slower, far better INT4)."""
+    names = [name for name in linear_modules(model) if name not in skip]
+    if resolve_calibration(calibration, fmt) == "rtn":
+        return {name: quantize(model.get_submodule(name).weight.data, fmt) for name in names}
+    from tokenmill.quant.corpus import WindowRunner, corpus_text, corpus_windows
+    from tokenmill.quant.gptq import collect_hessians, gptq_quantize
+    ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    windows = corpus_windows(ids, calibration_tokens, CALIBRATION_WINDOW, from_end=True)
+    param = next(model.parameters())
+    runner = WindowRunner(model, CALIBRATION_WINDOW, param.device, param.dtype)
+    hessians = collect_hessians(model, runner.logprobs, windows, names)
+    return {name: gptq_quantize(model.get_submodule(name).weight.data, hessians.pop(name), fmt) for name in names}
+
+
+def apply_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
+    """Replace the projections for good by QuantLinears holding `weights`."""
+    for name, module in linear_modules(model).items():
+        if name in weights:
+            replace_module(model, name, to_quant_linear(module, weights[name].fmt, weights[name]))
+
+
+def quantize_checkpoint(model: str | None, fmt: QuantFormat, out_dir: str, skip: list[str] | None = None,
+                        calibration: str = "auto", calibration_tokens: int = 4096, dtype: str = "auto",
+                        device: str = "auto", load_format: str = "auto") -> str:
+    """Quantize every projection but `skip` to `fmt` and save; unquantized tensors are written in `dtype`
+    ("auto": the checkpoint's 16-bit dtype, float16 when it names none, as for GGUF files)."""
+    from tokenmill.engine.llm_engine import pick_device
+    from tokenmill.model.loader import load_model, load_model_config, resolve_model
+    from tokenmill.tokenizer import load_tokenizer
+
+    path = resolve_model(model)
+    dev = pick_device(device)
+    config = load_model_config(path, load_format)
+    out_dtype = parse_dtype(config.torch_dtype or "float16") if dtype == "auto" else parse_dtype(dtype)
+    if out_dtype == torch.float32:
+        out_dtype = torch.float16
+    net = load_model(config, path, load_format, torch.float32 if dev.type == "cpu" else out_dtype, dev)
+    skip = list(skip or [])
+    unknown = sorted(set(skip) - set(linear_modules(net)))
+    if unknown:
+        raise ValueError(f"--skip names no projection of this model: {unknown[:3]}; projections look like "
+                         f"{next(iter(linear_modules(net)))}")
+    tokenizer = load_tokenizer(path)
+    apply_weights(net, quantize_weights(net, fmt, calibration, tokenizer, calibration_tokens, skip))
+    save_quantized(net, config, fmt, skip, tokenizer, path, out_dir, out_dtype)
+    return out_dir
