@@ -16,4 +16,7 @@ if [ ! -x /usr/bin/chromium ]; then                # Debian's chromium for the b
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: chromium not installed"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# One OpenMP thread per process: the suite runs servers beside the test process, and two processes
+# spinning two threads each on two cores slowed small ops 10-30x in our runs.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 python -m pytest -q -p no:cacheprovider "$@"

@@ -42,7 +42,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=[2], torch_dtype="float32"),
 }
 
