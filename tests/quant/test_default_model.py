@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M-Instruct, shipped as Q4_1) quantized on the CPU: KL against the float
 model over a few hundred tokens of the pydoc_data corpus stays under the targets, and greedy answers stay
-sensible. (INT4 g128 needs GPTQ to reach its target; that runs on the GPU, in test_triton_quant.py.)"""
+sensible. (INT4 g128 needs GPTQ to reach its target, too slow for here: test_triton_quant.py checks it on the
+GPU. INT4 g32 recovers the shipped Q4_1 blocks exactly: test_formats.py.)"""
 from __future__ import annotations
 
 import copy
@@ -45,12 +46,6 @@ def _kl(setup, weights_fmt: str | None = None, kv: torch.dtype = torch.float32):
 def test_int8_weights(setup) -> None:
     c = _kl(setup, "int8")
     assert c.kl_mean < 0.01 and c.top1_agreement > 0.9 and abs(c.ppl_change) < 0.02
-
-
-def test_int4_g32_is_the_shipped_q4_1(setup) -> None:
-    """The shipped weights are Q4_1 (INT4 g32): quantizing their float values to INT4 g32 recovers them."""
-    c = _kl(setup, "int4-g32")
-    assert c.kl_mean < 1e-6 and c.top1_agreement == 1.0
 
 
 @pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.int8])

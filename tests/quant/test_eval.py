@@ -36,10 +36,23 @@ def test_evaluate_tiny(tiny_model_dir: str) -> None:
 
 def test_gptq_beats_rounding(tiny_model_dir: str) -> None:
     """On the tiny model too, GPTQ lands closer to the float model than plain rounding."""
-    kw = dict(num_tokens=96, window=48, calibration_tokens=192, device="cpu")
+    kw = {"num_tokens": 96, "window": 48, "calibration_tokens": 192, "device": "cpu"}
     gptq = evaluate(tiny_model_dir, QuantFormat.parse("int4-g32"), calibration="gptq", **kw)
     rtn = evaluate(tiny_model_dir, QuantFormat.parse("int4-g32"), calibration="rtn", **kw)
     assert gptq["kl_mean"] < rtn["kl_mean"]
+
+
+def test_calibration_windows(default_model_path: str) -> None:
+    """GPTQ calibrates on the corpus end (quant-eval scores its start), every other window a chat exchange."""
+    from tokenmill.quant.corpus import calibration_windows, corpus_text, corpus_windows
+    from tokenmill.tokenizer import load_tokenizer
+    tok = load_tokenizer(default_model_path)
+    cal = calibration_windows(tok, 512, 128)
+    assert len(cal) == 4 and all(len(w) == 128 for w in cal)
+    start = tok.token_to_id("<|im_start|>")
+    assert start not in cal[0] and cal[1][0] == start
+    scored = corpus_windows(tok.encode(corpus_text(), add_special_tokens=False), 512, 128)
+    assert not {tuple(w) for w in scored} & {tuple(w) for w in cal}
 
 
 def test_evaluate_needs_something() -> None:

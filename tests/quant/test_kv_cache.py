@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from paged_cases import make_case, reference_attention, rel_err
 from quant_helpers import randomize, tiny_config
+
 from tokenmill.kernels import quant_ref, torch_ref
 from tokenmill.model.loader import load_model
 from tokenmill.model.presets import get_preset

@@ -11,11 +11,12 @@ if not torch.cuda.is_available():
     pytest.skip("Triton kernels need CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from paged_cases import make_case, rel_err  # noqa: E402
-from tokenmill.kernels import quant_ref, torch_ref, triton_ops  # noqa: E402
-from tokenmill.kernels.triton_quant import GEMM, SKINNY, MatmulConfig, quant_linear  # noqa: E402
-from tokenmill.quant.formats import QuantFormat, quantize  # noqa: E402
-from tokenmill.quant.kv_cache import kv_row_width  # noqa: E402
+from paged_cases import make_case, rel_err
+
+from tokenmill.kernels import quant_ref, torch_ref, triton_ops
+from tokenmill.kernels.triton_quant import GEMM, SKINNY, MatmulConfig, quant_linear
+from tokenmill.quant.formats import QuantFormat, quantize
+from tokenmill.quant.kv_cache import kv_row_width
 
 FORMATS = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
 SHAPES = [(1, 4096, 4096), (1, 1, 32), (3, 1000, 576), (7, 130, 1000), (16, 576, 1536), (17, 96, 4160),
@@ -111,7 +112,7 @@ def test_default_model_int4_g128_gptq_kl() -> None:
     assert r["kl_mean"] < 0.1, r["kl_mean"]
 
 
-@pytest.mark.parametrize("quantization,kv", [("int8", "auto"), ("int4", "fp8"), ("gguf", "int8"), (None, "fp8")])
+@pytest.mark.parametrize("quantization,kv", [("int8", "auto"), ("int4-g32", "fp8"), ("gguf", "int8"), (None, "fp8")])
 def test_engine_on_gpu(quantization: str | None, kv: str) -> None:
     """Paged attention, prefix caching, CUDA graphs and n > 1 with quantized weights and KV cache."""
     from tokenmill import LLM, SamplingParams

@@ -33,7 +33,7 @@ class MatmulConfig:
 # Untuned starting points (no GPU to tune on when written); `python -m tokenmill.quant.bench` measures them.
 SKINNY_M = 16
 SKINNY = MatmulConfig(16, 64, 256, num_warps=4, num_stages=3)
-GEMM = MatmulConfig(64, 128, 64, num_warps=4, num_stages=3)
+GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
 
 
 @triton.jit

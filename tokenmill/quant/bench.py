@@ -31,7 +31,8 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS) -> l
         qw = quantize(w, fmt)
         moved = (qw.qweight.numel() + qw.scales.numel() * 2 + (0 if qw.mins is None else qw.mins.numel() * 2)
                  + x.numel() * 2 + m * n * 2)
-        ms = median_ms(lambda: quant_linear(x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None))
+        args = (x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None)
+        ms = median_ms(lambda args=args: quant_linear(*args))
         rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms))
     return rows
 

@@ -1,15 +1,21 @@
 """The text every quantization tool reads, and a way to run a model over it.
 
 English that needs no download: the Python documentation topics shipped with the interpreter (pydoc_data).
-quant-eval scores windows from its start; GPTQ calibrates on windows from its end, so the two never overlap.
+quant-eval scores windows from its start; GPTQ calibrates on windows from its end (half of them rendered as
+chat turns for a chat model), so the two never overlap.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
 from tokenmill.quant.kv_cache import kv_row_width
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer import Tokenizer
 
 EVAL_BLOCK_SIZE = 16
 
@@ -57,3 +63,20 @@ class WindowRunner:
         with forward_context(meta):
             hidden = self.model(torch.tensor(ids, device=self.device), torch.arange(n, device=self.device))
         return torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1).cpu()
+
+
+def calibration_windows(tokenizer: "Tokenizer", num_tokens: int, window: int) -> list[list[int]]:
+    """Calibration sequences from the end of the corpus. For a chat model every other window is rendered as a
+    conversation (its first half a user turn, its second half the assistant's answer), so the special tokens
+    and turn structure the model is served with are calibrated too, not only plain prose."""
+    ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    windows = corpus_windows(ids, num_tokens, window, from_end=True)
+    if not tokenizer.chat_template:
+        return windows
+    for i in range(1, len(windows), 2):
+        half = len(windows[i]) // 2
+        turns = [{"role": "user", "content": tokenizer.decode(windows[i][:half])},
+                 {"role": "assistant", "content": tokenizer.decode(windows[i][half:])}]
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=False)
+        windows[i] = tokenizer.encode(text, add_special_tokens=False)[:window]
+    return windows

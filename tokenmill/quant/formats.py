@@ -11,6 +11,11 @@ multiple of 32, form blocks of 32; block b becomes 16 bytes, byte b*16 + j holdi
 nibble and input b*32 + j + 16 in its high nibble. qweight is uint8 [N, ceil(K/32) * 16].
 
 Scales and mins are fp16 [N, ceil(K / group_size)]; the last group of a row may be partial.
+
+Rounding to nearest (quantize()): INT8 takes s = max|w| / 127. INT4 fits each group's (s, m) by least
+squares over a few candidate grids around min-max (llama.cpp's make_qkx2_quants), so it may clip an outlier
+a little: |error| <= s / 2 inside the grid, and a group's squared error never exceeds min-max rounding's.
+GPTQ (gptq.py) fills the same formats with better values.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class QuantFormat:
             raise ValueError(f"group size must be one of {GROUP_SIZES}, got {self.group_size}")
 
     @classmethod
-    def parse(cls, method: str, group_size: int | None = None) -> "QuantFormat":
+    def parse(cls, method: str, group_size: int | None = None) -> QuantFormat:
         """'int8' (per channel), 'int4' (group 128), or 'int8-g32' / 'int4-g64' style names."""
         m = _METHOD_RE.fullmatch(method)
         if m is None:
@@ -101,10 +106,6 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.qweight.shape[0]
 
-    def to(self, device: torch.device | str) -> "QuantizedWeight":
-        mins = None if self.mins is None else self.mins.to(device)
-        return QuantizedWeight(self.fmt, self.qweight.to(device), self.scales.to(device), mins, self.in_features)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.qweight, self.scales, self.mins, self.in_features, self.fmt.group(self.in_features),
                           dtype)
@@ -144,7 +145,7 @@ def quantize(w: torch.Tensor, fmt: QuantFormat, importance: torch.Tensor | None 
     return QuantizedWeight(fmt, pack_int4(q.view(n, -1)[:, :k]), scales, mins, k)
 
 
-def _fit_int4(g: torch.Tensor, weight: torch.Tensor, steps: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fit_int4(g: torch.Tensor, weight: torch.Tensor, steps: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, min) per group minimizing the squared error, as llama.cpp's make_qkx2_quants does: try
     `steps` + 1 scales around (max - min) / 15, fit scale and min to each rounding by least squares, keep the
     best, and round once more to the grid of the fp16 scale and min that are stored."""

@@ -2,18 +2,20 @@
 and before weights load, so model code never branches on formats or devices.
 
 They subclass Linear / MergedLinear (without their float-weight constructors) so everything that treats
-projections as projections, the checkpoint bookkeeping of load_weights included, keeps working. `weight`
+projections as projections, the checkpoint bookkeeping of load_weights included, keeps working. With one
+tensor-parallel rank (the only case supported here) the column/row-parallel layers are plain linears. `weight`
 is the packed tensor (a parameter, so a checkpoint missing it is reported), `weight_scale` / `weight_min`
 are buffers. A shard arrives either as a float tensor (quantized on the layer's device) or as a
 QuantizedWeight in the layer's format (GGUF blocks, a quantized checkpoint), copied as it is.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from tokenmill.distributed import tp_size
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
 
@@ -30,6 +32,8 @@ def quant_linear_fn(device: torch.device) -> QuantLinearFn:
 
 
 class QuantLinear(Linear):
+    """y = x W^T + b with W packed in `fmt`; the matmul dequantizes in registers (Triton) or per call (CPU)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: QuantFormat,
                  device: torch.device | str, dtype: torch.dtype) -> None:
         nn.Module.__init__(self)  # not Linear.__init__: no float weight is ever allocated
@@ -71,13 +75,6 @@ class QuantLinear(Linear):
         if self.weight_min is not None:
             self.weight_min[start:start + size].copy_(qw.mins)
 
-    def quantized(self, start: int = 0, size: int | None = None) -> QuantizedWeight:
-        """Rows [start, start + size) as a QuantizedWeight (views, for saving)."""
-        end = self.out_features if size is None else start + size
-        mins = None if self.weight_min is None else self.weight_min[start:end]
-        return QuantizedWeight(self.fmt, self.weight[start:end], self.weight_scale[start:end], mins,
-                               self.in_features)
-
     def scale_rows_(self, start: int, end: int, factor: float) -> None:
         """Multiply output rows [start, end) of the weight by factor (the bias is left alone)."""
         self.weight_scale[start:end] *= factor
@@ -111,6 +108,8 @@ class QuantMergedLinear(QuantLinear, MergedLinear):
 def to_quant_linear(module: Linear, fmt: QuantFormat, weight: torch.Tensor | QuantizedWeight | None) -> QuantLinear:
     """The quantized twin of a Linear / MergedLinear on its device, holding `weight` (a float matrix is
     quantized here) and the module's bias; with weight None it is empty and waits for load_shard."""
+    if tp_size() > 1:
+        raise ValueError("quantized weights need tensor_parallel_size=1 (their shards are not split over ranks)")
     device, dtype = module.weight.device, module.weight.dtype
     has_bias = module.bias is not None
     if isinstance(module, MergedLinear):

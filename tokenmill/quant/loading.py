@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from tokenmill.layers.linear import Linear
-from tokenmill.model.gguf_loader import (dequantize_tensor, gguf_tensor_types, iter_gguf_raw_tensors,
-                                         iter_gguf_weights)
+from tokenmill.model.gguf_loader import dequantize_tensor, gguf_tensor_types, iter_gguf_raw_tensors, iter_gguf_weights
 from tokenmill.model.hf_loader import iter_safetensors_weights, read_json, safetensors_files
 from tokenmill.model.llama import _STACKED
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight

@@ -8,8 +8,8 @@ from torch import nn
 from tokenmill.config import parse_dtype
 from tokenmill.quant.checkpoint import save_quantized
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
-from tokenmill.quant.loading import linear_modules, replace_module
 from tokenmill.quant.linear import to_quant_linear
+from tokenmill.quant.loading import linear_modules, replace_module
 from tokenmill.tokenizer import Tokenizer
 
 CALIBRATIONS = ("auto", "gptq", "rtn")
@@ -31,10 +31,9 @@ def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, token
     names = [name for name in linear_modules(model) if name not in skip]
     if resolve_calibration(calibration, fmt) == "rtn":
         return {name: quantize(model.get_submodule(name).weight.data, fmt) for name in names}
-    from tokenmill.quant.corpus import WindowRunner, corpus_text, corpus_windows
+    from tokenmill.quant.corpus import WindowRunner, calibration_windows
     from tokenmill.quant.gptq import collect_hessians, gptq_quantize
-    ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
-    windows = corpus_windows(ids, calibration_tokens, CALIBRATION_WINDOW, from_end=True)
+    windows = calibration_windows(tokenizer, calibration_tokens, CALIBRATION_WINDOW)
     param = next(model.parameters())
     runner = WindowRunner(model, CALIBRATION_WINDOW, param.device, param.dtype)
     hessians = collect_hessians(model, runner.logprobs, windows, names)

@@ -72,8 +72,8 @@ def _generate(engine_args: dict[str, Any], prompts: list[dict[str, Any]], max_to
 def replay(prompts: list[dict[str, Any]], base_args: dict[str, Any], quant_args: dict[str, Any],
            max_tokens: int = 128) -> dict[str, Any]:
     """Agreement of the quantized engine (quant_args) with the base engine (base_args) on the prompts."""
-    from tokenmill.tokenizer import load_tokenizer
     from tokenmill.model.loader import resolve_model
+    from tokenmill.tokenizer import load_tokenizer
     base = _generate(base_args, prompts, max_tokens)
     quant = _generate(quant_args, prompts, max_tokens)
     tok = load_tokenizer(resolve_model(base_args.get("model")))
