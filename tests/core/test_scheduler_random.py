@@ -32,11 +32,13 @@ def run_random(seed, caching, policy="fcfs", steps_limit=20000):
                 prompt = rng.choice(prefixes)[:] if rng.random() < 0.5 else []
                 prompt += [rng.randrange(50) for _ in range(rng.randrange(1, 60))]
                 params = SamplingParams(max_tokens=rng.randrange(1, 40))
-                req = Request(f"r{added}", prompt, params, priority=rng.randrange(3))
+                timeout = rng.uniform(0.0005, 0.01) if rng.random() < 0.05 else None
+                req = Request(f"r{added}", prompt, params, priority=rng.randrange(3), timeout_s=timeout)
                 sch.add_request(req)
                 added += 1
         out = sch.schedule()
         kv.check_invariants()
+        finished.update(r.request_id for r in out.timed_out)
         for s in out.scheduled:
             assert s.num_new_tokens >= 1
             assert len(kv.req_to_blocks[s.request.request_id]) * kv.block_size >= \
@@ -57,6 +59,7 @@ def run_random(seed, caching, policy="fcfs", steps_limit=20000):
         steps += 1
         assert steps < steps_limit, "scheduler stalled"
     assert len(finished) == n_req
+    assert sch.stats.num_timeouts > 0
     assert kv.num_free_blocks == kv.usable_blocks
     assert not kv.req_to_blocks
     return sch, kv
