@@ -79,3 +79,19 @@ def test_quantize_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
         load_model(load_model_config(out), out, quantization="int8")
     llm = LLM(out, kv_cache_memory=8 << 20)
     assert len(llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_engine_with_quantized_weights_and_kv(tiny_model_dir: str, kv: str) -> None:
+    """Paged attention over small blocks, prefix caching, batching and n > 1 with INT4 weights and a
+    quantized KV cache: a cached prefix or a batch neighbour changes no greedy token."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(tiny_model_dir, quantization="int4-g32", kv_cache_dtype=kv, block_size=4, kv_cache_memory=4 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(100, 137))
+    alone = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    cached = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    batched = llm.generate([list(range(200, 211)), prompt], greedy)[1].outputs[0].token_ids
+    assert alone == cached == batched and llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
+    samples = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=0))[0].outputs
+    assert len(samples) == 3
