@@ -65,7 +65,7 @@ class WindowRunner:
         return torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1).cpu()
 
 
-def calibration_windows(tokenizer: "Tokenizer", num_tokens: int, window: int) -> list[list[int]]:
+def calibration_windows(tokenizer: Tokenizer, num_tokens: int, window: int) -> list[list[int]]:
     """Calibration sequences from the end of the corpus. For a chat model every other window is rendered as a
     conversation (its first half a user turn, its second half the assistant's answer), so the special tokens
     and turn structure the model is served with are calibrated too, not only plain prose."""
