@@ -34,7 +34,7 @@ def pooled_median(results, metric):
 
 def test_simulator_matches_engine_medians(one_thread):
     t_start = time.monotonic()
-    engine = LLMEngine.from_engine_args(max_model_len=512, max_num_batched_tokens=256)
+    engine = LLMEngine.from_engine_args(max_model_len=512, max_num_batched_tokens=256, dtype="bfloat16")
     vocab, special = engine.model_config.vocab_size, special_ids(engine.model_config)
     phases = profile_phases(batch_sizes=[1, 2, 4], prompt_lens=[32, 64, 128], output_len=10, vocab_size=vocab,
                             special_ids=special)
