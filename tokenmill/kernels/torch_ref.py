@@ -61,15 +61,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Lq, H, D], k/v [B, Lk, Hkv, D], mask [B, Lq, Lk] (True = attend) -> [B, Lq, H, D].
-    Query heads are grouped under their KV head, so K/V are never repeated."""
-    b, lq, h, d = q.shape
-    hkv = k.shape[2]
-    qg = q.view(b, lq, hkv, h // hkv, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, (h // hkv) * lq, d)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).to(q.dtype)).float() * scale  # [B, Hkv, G*Lq, Lk]
-    scores = scores.view(b, hkv, h // hkv, lq, -1).masked_fill(~mask[:, None, None], float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype).view(b, hkv, (h // hkv) * lq, -1)
-    o = torch.matmul(probs, v.transpose(1, 2).to(q.dtype))  # [B, Hkv, G*Lq, D]
-    return o.view(b, hkv, h // hkv, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h, d)
+    In float32 through torch's SDPA with grouped heads (K/V never repeated): on the CPU its float32 kernel is
+    2-3x faster than explicit matmuls, while its 16-bit one with a mask falls back to a slow path."""
+    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
+                                       v.float().transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
+                                       enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -108,9 +105,8 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 whatever x's dtype (torch's fused op does)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import tp_size
+from tokenmill.kernels.cpu_quant import CpuPackedWeight, cpu_quant_linear, prepack, supports
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
 
@@ -23,7 +24,8 @@ QuantLinearFn = Callable[..., torch.Tensor]
 
 
 def quant_linear_fn(device: torch.device) -> QuantLinearFn:
-    """The matmul for packed weights on a device: Triton on CUDA, the torch twin elsewhere."""
+    """The matmul for packed weights on a device: Triton on CUDA, the torch twin elsewhere (QuantLinear takes
+    torch's packed CPU kernels first where one fits, kernels/cpu_quant.py)."""
     if device.type == "cuda":
         from tokenmill.kernels.triton_quant import quant_linear
         return quant_linear
@@ -49,6 +51,7 @@ class QuantLinear(Linear):
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.matmul = quant_linear_fn(device)
+        self._cpu_packed: CpuPackedWeight | None = None
 
     def _rows(self, shard: int | None) -> tuple[int, int]:
         if shard is not None:
@@ -70,6 +73,7 @@ class QuantLinear(Linear):
         if (qw.out_features, qw.in_features) != (size, self.in_features):
             raise ValueError(f"shape mismatch for weight: checkpoint {(qw.out_features, qw.in_features)}, "
                              f"model {(size, self.in_features)}")
+        self._cpu_packed = None
         self.weight.data[start:start + size].copy_(qw.qweight)
         self.weight_scale[start:start + size].copy_(qw.scales)
         if self.weight_min is not None:
@@ -77,11 +81,25 @@ class QuantLinear(Linear):
 
     def scale_rows_(self, start: int, end: int, factor: float) -> None:
         """Multiply output rows [start, end) of the weight by factor (the bias is left alone)."""
+        self._cpu_packed = None
         self.weight_scale[start:end] *= factor
         if self.weight_min is not None:
             self.weight_min[start:end] *= factor
 
+    def _cpu_kernel_weight(self, x: torch.Tensor) -> CpuPackedWeight | None:
+        """The weight in the CPU kernel's layout for x's dtype, prepared at first use (it holds a second copy
+        of the packed weight); None where no CPU kernel fits and the twin runs."""
+        if x.device.type != "cpu" or not supports(self.fmt.bits, self.group, self.in_features, self.out_features,
+                                                  x.dtype):
+            return None
+        if self._cpu_packed is None or self._cpu_packed.dtype != x.dtype:
+            self._cpu_packed = prepack(self.weight.data, self.weight_scale, self.weight_min, self.in_features,
+                                       self.group, x.dtype)
+        return self._cpu_packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (packed := self._cpu_kernel_weight(x)) is not None:
+            return cpu_quant_linear(x, packed, self.bias)
         return self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group,
                            self.bias)
 
