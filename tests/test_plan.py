@@ -21,10 +21,11 @@ def test_llama3_8b_by_hand():
     assert num_parameters(c) == params == 8_030_261_248
     assert weight_bytes(c, "bf16") == 2 * params == 16_060_522_496                     # 16.06 GB
     assert weight_bytes(c, "fp32") == 4 * params
-    # int4: linear weights at half a byte + one 2-byte scale per 128 inputs per output row; the rest in bf16
+    # int4: linear weights at half a byte + a 2-byte scale and a 2-byte min per 128 inputs per output row;
+    # the rest in bf16
     linear = layer - 2 * 4096
     scales = (4096 + 1024 + 1024) * 32 + 4096 * 32 + 2 * 14336 * 32 + 4096 * 112
-    assert weight_bytes(c, "int4") == 32 * (linear // 2 + 2 * scales + 2 * 2 * 4096) + 2 * (2 * 128256 * 4096 + 4096)
+    assert weight_bytes(c, "int4") == 32 * (linear // 2 + 4 * scales + 2 * 2 * 4096) + 2 * (2 * 128256 * 4096 + 4096)
     int8_scales = 4096 + 1024 + 1024 + 4096 + 2 * 14336 + 4096
     assert weight_bytes(c, "int8") == 32 * (linear + 2 * int8_scales + 2 * 2 * 4096) + 2 * (2 * 128256 * 4096 + 4096)
     # tp 2: every linear, embedding and head halved, norms replicated; 4 KV heads per rank

@@ -14,11 +14,11 @@ import os
 from dataclasses import asdict, dataclass
 
 from tokenmill.config import ModelConfig
+from tokenmill.quant.formats import QuantFormat
 
 # bytes per element
 WEIGHT_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 KV_DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
-SCALE_BYTES = 2             # one 16-bit scale per int8 output channel / per int4 group
 KV_SCALE_BYTES = 4          # one float32 scale per (token, KV head) for each of K and V in an int8 cache
 WORKSPACE_BYTES = 1 << 30   # CUDA context, cuBLAS/Triton workspaces, CUDA graph pools
 _HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -86,20 +86,19 @@ def _layer_params(config: ModelConfig, tp: int) -> int:
 
 
 def weight_bytes(config: ModelConfig, weight_dtype: str, tp: int = 1, group_size: int = 128) -> int:
-    """One rank's weight bytes. int8: per-output-channel scales; int4: one scale per group of `group_size` inputs."""
+    """One rank's weight bytes. int8 / int4 count what QuantLinear holds: packed values (INT4 rows padded to
+    32 inputs), an fp16 scale per output channel (int8) or a scale and a min per group (int4)."""
     act = WEIGHT_DTYPES[compute_dtype(weight_dtype)]
     shapes = linear_shapes(config, tp)
     linear = sum(o * i for o, i in shapes)
-    if weight_dtype == "int8":
-        scales = sum(o for o, _ in shapes)
-    elif weight_dtype == "int4":
-        scales = sum(o * math.ceil(i / group_size) for o, i in shapes)
+    if weight_dtype in ("int8", "int4"):
+        fmt = QuantFormat(8) if weight_dtype == "int8" else QuantFormat(4, group_size)
+        linear_bytes = sum(fmt.nbytes(o, i) for o, i in shapes)
     else:
-        scales = 0
+        linear_bytes = linear * WEIGHT_DTYPES[weight_dtype]
     other = _layer_params(config, tp) - linear           # norms, biases: compute dtype
-    layer = linear * WEIGHT_DTYPES[weight_dtype] + scales * SCALE_BYTES + other * act
     vocab = math.ceil(config.vocab_size / tp) * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    return int(config.num_hidden_layers * layer + (vocab + config.hidden_size) * act)
+    return int(config.num_hidden_layers * (linear_bytes + other * act) + (vocab + config.hidden_size) * act)
 
 
 def activation_bytes(config: ModelConfig, weight_dtype: str, tp: int, max_num_batched_tokens: int,
