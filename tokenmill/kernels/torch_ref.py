@@ -71,28 +71,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence: gather all contexts at once, padded and masked."""
-    num_seqs = q.shape[0]
-    block_size = k_cache.shape[1]
+    """One query token per sequence: gather all contexts at once, padded and masked, in float32 SDPA."""
+    num_seqs, block_size = q.shape[0], k_cache.shape[1]
     nb = (int(seq_lens.max()) + block_size - 1) // block_size
-    tables = block_tables[:, :nb]
-    k = _gather_blocks(k_cache, tables).view(num_seqs, nb * block_size, k_cache.shape[2], -1)
-    v = _gather_blocks(v_cache, tables).view(num_seqs, nb * block_size, v_cache.shape[2], -1)
-    mask = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens[:, None]
-    return _attend(q.unsqueeze(1), k, v, mask.unsqueeze(1), scale).squeeze(1)
+    tables = block_tables[:, :nb].reshape(-1).long()
+    mask = (torch.arange(nb * block_size, device=q.device) < seq_lens[:, None])[:, None, None, :]
+    k = from_kv_cache(k_cache.index_select(0, tables)).view(num_seqs, -1, *k_cache.shape[2:])
+    v = from_kv_cache(v_cache.index_select(0, tables)).view(num_seqs, -1, *v_cache.shape[2:])
+    o = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[2])
+    return o.squeeze(2).to(q.dtype)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style (rotate halves) rotary embedding; cos_sin_cache: [max_pos, rot_dim] = cat(cos, sin)."""
-    cos, sin = cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    return rot(q), rot(k)
+    """Neox-style (rotate halves) rotary embedding; cos_sin_cache: [max_pos, rot_dim] = cat(cos, sin).
+    q and k rotate together (one set of ops for both: on the CPU each op costs more than its arithmetic)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = torch.cat((q, k), dim=1).chunk(2, dim=-1)
+    qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return qk.split([q.shape[1], k.shape[1]], dim=1)
 
 
 def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
