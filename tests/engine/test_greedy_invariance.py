@@ -53,3 +53,16 @@ def test_forced_preemption_keeps_output(chat_prompt_ids, reference):
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert llm.llm_engine.get_stats()["num_blocks_free"] == llm.llm_engine.get_stats()["num_blocks_total"]
+
+
+def test_cpu_fast_path_batched_equals_alone(chat_prompt_ids):
+    """bfloat16 with the GGUF's own INT4 weights (torch's packed CPU kernels, float32 SDPA with keys padded to a
+    multiple of 64): batched and chunked, each prompt still gets the tokens it gets alone. (Prefix-cache hits are
+    left out: they change how SDPA blocks a prompt's query rows, which moves the last bits of some rows; bf16
+    rounding can then flip a near-tie, see docs/ARCHITECTURE.md.)"""
+    fast = dict(dtype="bfloat16", quantization="gguf", enable_prefix_caching=False)
+    llm = LLM(**fast)
+    alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in chat_prompt_ids]
+    for extra in (dict(), dict(max_num_batched_tokens=16, block_size=32)):
+        outs = LLM(**fast, **extra).generate(chat_prompt_ids, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == alone

@@ -143,3 +143,23 @@ def test_silu_and_mul() -> None:
     gate, up = x.double().chunk(2, dim=-1)
     want = gate / (1 + torch.exp(-gate)) * up
     assert rel_err(torch_ref.silu_and_mul(x), want) < 1e-6
+
+
+def test_decode_row_does_not_depend_on_batch_mates() -> None:
+    """With one thread (as CI runs), a sequence's decode attention is bit-identical alone and beside longer
+    contexts: keys are padded to KV_PAD. (With more threads torch's SDPA splits work by batch size, see
+    docs/ARCHITECTURE.md.) float32 shows the last bits that bf16 output would mostly round away."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        case = make_case([45, 200, 7, 129], [1, 1, 1, 1], num_heads=9, num_kv_heads=3, head_dim=64, block_size=1,
+                         dtype=torch.float32, device="cpu", garbage=0.0)
+        both = torch_ref.paged_attention(case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                                         case.block_tables, case.scale, 1)
+        for i in range(4):
+            alone = torch_ref.paged_attention(case.q[i:i + 1], case.k_cache, case.v_cache,
+                                              case.query_start_loc[:2], case.seq_lens[i:i + 1],
+                                              case.block_tables[i:i + 1], case.scale, 1)
+            assert torch.equal(alone, both[i:i + 1])
+    finally:
+        torch.set_num_threads(threads)

@@ -59,28 +59,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+KV_PAD = 64   # key counts are padded (masked) to a multiple of this; see _attend
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Lq, H, D], k/v [B, Lk, Hkv, D], mask [B, Lq, Lk] (True = attend) -> [B, Lq, H, D].
+
     In float32 through torch's SDPA with grouped heads (K/V never repeated): on the CPU its float32 kernel is
-    2-3x faster than explicit matmuls, while its 16-bit one with a mask falls back to a slow path."""
-    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
-                                       v.float().transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
-                                       enable_gqa=q.shape[2] != k.shape[2])
+    2-3x faster than explicit matmuls, while its 16-bit one with a mask falls back to a slow path. Its result
+    for a row changes in the last bits with the number of keys it is given, but not between key counts that
+    are multiples of 64 (masked keys add exactly nothing there), so keys are padded to a multiple of KV_PAD:
+    with one thread a row's output then does not depend on its batch-mates' context lengths. (With several
+    threads the kernel also splits work by batch size, and the query blocking changes with the number of
+    query rows, e.g. after a prefix-cache hit: bit-for-bit batch invariance is not guaranteed there.)"""
+    pad = -k.shape[1] % KV_PAD
+    kf, vf = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (k, v))
+    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), kf, vf, attn_mask=F.pad(mask, (0, pad)).unsqueeze(1),
+                                       scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence: gather all contexts at once, padded and masked, in float32 SDPA."""
+    """One query token per sequence: gather all contexts at once, padded and masked."""
     num_seqs, block_size = q.shape[0], k_cache.shape[1]
     nb = (int(seq_lens.max()) + block_size - 1) // block_size
-    tables = block_tables[:, :nb].reshape(-1).long()
-    mask = (torch.arange(nb * block_size, device=q.device) < seq_lens[:, None])[:, None, None, :]
-    k = from_kv_cache(k_cache.index_select(0, tables)).view(num_seqs, -1, *k_cache.shape[2:])
-    v = from_kv_cache(v_cache.index_select(0, tables)).view(num_seqs, -1, *v_cache.shape[2:])
-    o = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[2])
-    return o.squeeze(2).to(q.dtype)
+    tables = block_tables[:, :nb]
+    k = _gather_blocks(k_cache, tables).view(num_seqs, nb * block_size, k_cache.shape[2], -1)
+    v = _gather_blocks(v_cache, tables).view(num_seqs, nb * block_size, v_cache.shape[2], -1)
+    mask = torch.arange(nb * block_size, device=q.device) < seq_lens[:, None]
+    return _attend(q.unsqueeze(1), k, v, mask.unsqueeze(1), scale).squeeze(1)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
