@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate | chat | serve | bench | quantize | quant-eval | simulate | plan | router.
+"""The `tokenmill` command: generate | chat | serve | worker | bench | quantize | quant-eval | simulate | plan | router.
 Each subcommand parses its options and calls into the package; no logic lives here."""
 from __future__ import annotations
 
@@ -85,6 +85,16 @@ def cmd_chat(ns: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+def cmd_worker(ns: argparse.Namespace) -> None:
+    from tokenmill.engine.tp_launcher import TensorParallelError, run_worker_node
+    try:
+        run_worker_node(engine_args_from(ns))
+    except (TensorParallelError, ValueError) as e:
+        sys.exit(f"tokenmill worker: {e}")
+    except KeyboardInterrupt:
+        sys.exit("tokenmill worker: interrupted; this node's ranks were stopped")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     add_engine_args(c)
     c.set_defaults(func=cmd_chat)
+    w = sub.add_parser("worker", help="run this node's tensor-parallel ranks of a multi-node engine (node-rank >= 1)",
+                       description="Runs ranks node_rank*N/nnodes .. of a --tensor-parallel-size N engine whose rank 0 "
+                                   "(tokenmill serve or generate on node 0) listens at --master-addr:--master-port. "
+                                   "The model and every other option come from rank 0; --device is this node's.")
+    add_engine_args(w)
+    w.set_defaults(func=cmd_worker)
     for mod in EXTRA_COMMANDS:
         try:
             module = importlib.import_module(mod)

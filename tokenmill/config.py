@@ -162,7 +162,11 @@ class EngineArgs:
     num_speculative_tokens: int = 4         # most draft tokens per request per step (the adaptive rule picks fewer)
     prompt_lookup_max: int = 4              # n-gram proposer: longest suffix looked up ...
     prompt_lookup_min: int = 2              # ... and shortest
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1           # ranks the model is split over (GPUs, or CPU processes)
+    nnodes: int = 1                         # torchrun's names: machines the ranks span ...
+    node_rank: int = 0                      # ... this machine's index (0 runs the engine, others `tokenmill worker`)
+    master_addr: str = "127.0.0.1"          # ... the address and port of rank 0's rendezvous
+    master_port: int | None = None          # ... (None on one node: a free port)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -180,9 +184,26 @@ class EngineArgs:
                              f"got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: the tensor-parallel layers exist "
-                             "but the multi-process engine launch does not yet; only 1 is supported")
+        self._check_parallel()
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.nnodes < 1 or tp % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must be >= 1 and divide tensor_parallel_size={tp} "
+                             "(every node runs the same number of ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("a multi-node launch (nnodes > 1) needs master_addr and master_port: rank 0's address, "
+                             "reachable from every node")
+        if tp > 1 and (self.speculative or "").startswith("draft:"):
+            raise ValueError(f"speculative={self.speculative!r} needs tensor_parallel_size=1 (the draft model is not "
+                             "split over ranks); use speculative='ngram'")
+        if tp > 1 and self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} needs tensor_parallel_size=1 (quantized weights are "
+                             "not split over ranks)")

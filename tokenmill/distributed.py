@@ -1,23 +1,67 @@
 """Tensor-parallel process group over torch.distributed (NCCL on GPUs, gloo on CPUs).
 
 With no group initialized, tp size is 1 and every collective is the identity, so single-process code
-pays nothing."""
+pays nothing. Two groups: the default one carries the model's collectives (NCCL on GPUs); a gloo "control"
+group carries rank 0's pickled messages (each step's batch, keepalives, shutdown), as vLLM's CPU group does,
+so workers can wait for the next step on the host."""
 from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("TOKENMILL_DIST_TIMEOUT_S", "120"))
+TIMEOUT_ENV = "TOKENMILL_DIST_TIMEOUT_S"
+JOIN_TIMEOUT_ENV = "TOKENMILL_DIST_JOIN_TIMEOUT_S"
+_JOINED_KEY = "tokenmill/joined"
+
+_control_group: dist.ProcessGroup | None = None
+# rank 0 sends from the engine thread and the keepalive thread: one control message (and its replies) at a time
+control_lock = threading.RLock()
 
 
-def init_tp_group(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> None:
-    """Join the group; a rank that dies makes the others fail within COLLECTIVE_TIMEOUT_S, never hang."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+def collective_timeout_s() -> float:
+    """Seconds any collective may wait for a peer; read when a group starts."""
+    return float(os.environ.get(TIMEOUT_ENV, "120"))
+
+
+def join_timeout_s() -> float:
+    """Seconds the ranks have to find each other (other nodes may be started by hand, later than node 0)."""
+    return float(os.environ.get(JOIN_TIMEOUT_ENV, "600"))
+
+
+def init_tp_group(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
+                  check: Callable[[], None] = lambda: None) -> None:
+    """Join the group. Rank 0 waits for the others, calling check() meanwhile (it raises when a rank it started
+    has died), so a dead rank is seen at once rather than at the join timeout; once joined, every collective
+    times out rather than hang."""
+    global _control_group
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=join_timeout_s()), wait_for_workers=False)
+    joined, deadline = store.add(_JOINED_KEY, 1), time.monotonic() + join_timeout_s()
+    while rank == 0 and joined < world_size:
+        check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{joined} of {world_size} tensor-parallel ranks joined within {JOIN_TIMEOUT_ENV}="
+                               f"{join_timeout_s():g}s; start every node's `tokenmill worker` within that time")
+        time.sleep(0.05)
+        joined = store.add(_JOINED_KEY, 0)
+    timeout = datetime.timedelta(seconds=collective_timeout_s())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    _control_group = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def destroy_tp_group() -> None:
+    """Leave the group (if any): tp size is 1 again, so another engine can start in this process."""
+    global _control_group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control_group = None
 
 
 def tp_size() -> int:
@@ -34,6 +78,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's value (KV blocks: each rank may measure a different free memory)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_control_group)
+    return int(t.item())
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's slice along the last dim (vocab-parallel logits)."""
     n = tp_size()
@@ -45,10 +98,19 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_object(obj: object | None) -> object:
-    """Rank 0 sends a picklable object (a step's batch description) to every rank."""
+    """Rank 0 sends a picklable object (a step's batch description) to every rank over the control group."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    with control_lock:
+        dist.broadcast_object_list(box, src=0, group=_control_group)
     return box[0]
+
+
+def gather_object(obj: object) -> list[object] | None:
+    """Every rank's object, in rank order, on rank 0 (None elsewhere)."""
+    out = [None] * tp_size() if tp_rank() == 0 else None
+    with control_lock:
+        dist.gather_object(obj, out, dst=0, group=_control_group)
+    return out
 
 
 def shard_range(size: int, rank: int | None = None, world: int | None = None) -> tuple[int, int]:

@@ -38,6 +38,10 @@ _HELP = {
     "prompt_lookup_max": "n-gram speculation: longest suffix looked up in the request's own tokens",
     "prompt_lookup_min": "n-gram speculation: shortest suffix looked up",
     "tensor_parallel_size": "GPUs (or CPU processes) to split the model over",
+    "nnodes": "machines the tensor-parallel ranks span (torchrun's --nnodes)",
+    "node_rank": "this machine's index: 0 runs the engine, 1 .. nnodes-1 run `tokenmill worker`",
+    "master_addr": "address of node 0, where rank 0 listens for the other ranks",
+    "master_port": "port of rank 0's rendezvous (default on one node: a free port; needed with --nnodes > 1)",
 }
 
 

@@ -1,19 +1,26 @@
 """LLMEngine: add_request / step / abort_request. Synchronous and single-threaded; the async server
-loop drives it from one background task."""
+loop drives it from one background task. With tensor_parallel_size > 1 it is rank 0: it starts the other
+ranks (engine/tp_launcher.py), which replay each step's forward."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from tokenmill.config import EngineArgs, SchedulerConfig, parse_dtype
+from tokenmill.config import EngineArgs, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from tokenmill.distributed import tp_size
 from tokenmill.engine.detokenizer import Detokenizer, check_stop
+from tokenmill.engine.devices import pick_device, pick_dtype
+from tokenmill.engine.tp_launcher import TPWorkerGroup
 from tokenmill.model.loader import load_model, load_model_config, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -26,7 +33,9 @@ from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "QueueFullError"]
+__all__ = ["LLMEngine", "QueueFullError", "pick_device", "pick_dtype"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,26 +59,11 @@ class StepStats:
     step_time: float = 0.0
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was asked for but CUDA is not available; use device='cpu'")
-    return torch.device(device)
-
-
-def pick_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return parse_dtype(dtype)
-    if device.type == "cpu":
-        return torch.float32
-    if checkpoint_dtype in ("float16", "bfloat16"):
-        return parse_dtype(checkpoint_dtype)
-    return torch.bfloat16
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        if tp_size() > 1:
+            raise RuntimeError("a tensor-parallel engine is running in this process (its layers and collectives are "
+                               "process-wide); shut it down (LLMEngine.shutdown) before starting another engine")
         self.args = args
         torch.manual_seed(args.seed)
         self.device = pick_device(args.device)
@@ -88,12 +82,23 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
         self.eos_token_ids = eos
-        model = load_model(self.model_config, model_path, args.load_format, self.dtype, self.device, seed=args.seed,
-                           quantization=args.quantization)
-        draft = load_draft(args, model_path, self.device, self.dtype) if (args.speculative or "").startswith("draft:") \
-            else None
-        self.runner = ModelRunner(model, self.model_config, args, self.device, self.dtype, max_len, eos,
-                                  extra_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0)
+        self.workers = TPWorkerGroup(args, self.model_config, self.device) if args.tensor_parallel_size > 1 else None
+        if self.workers is not None:
+            weakref.finalize(self, self.workers.shutdown)
+        try:
+            with self._watch_workers():
+                model = load_model(self.model_config, model_path, args.load_format, self.dtype, self.device,
+                                   seed=args.seed, quantization=args.quantization)
+                draft = load_draft(args, model_path, self.device, self.dtype) \
+                    if (args.speculative or "").startswith("draft:") else None
+                self.runner = ModelRunner(model, self.model_config, args, self.device, self.dtype, max_len, eos,
+                                          extra_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(graceful=False)
+            raise
+        if self.workers is not None:
+            self.workers.start_keepalive()
         self.kv_cache = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -113,6 +118,21 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":
         return cls(EngineArgs(**kwargs))
+
+    # ---- tensor-parallel ranks --------------------------------------------------------------
+    def _watch_workers(self) -> contextlib.AbstractContextManager[None]:
+        return self.workers.watch() if self.workers is not None else contextlib.nullcontext()
+
+    def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]:
+        """fn(model runner) on every tensor-parallel rank, results in rank order; fn must be importable."""
+        if self.workers is None:
+            return [fn(self.runner)]
+        return self.workers.collective_rpc(fn, self.runner)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers; also done when the engine is garbage collected or Python exits."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -190,7 +210,8 @@ class LLMEngine:
             self._pending[req.parent_id] = self.child_to_group[req.request_id]
         if not out.is_empty:
             block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
-            result = (self.spec or self.runner).execute(out, block_ids)
+            with self._watch_workers():
+                result = (self.spec or self.runner).execute(out, block_ids)
             sampled_reqs = [s.request for s in out.scheduled if s.samples]
             if isinstance(result, VerifyOutput):
                 self._process_verified(out, sampled_reqs, result)

@@ -1,16 +1,20 @@
-"""ModelRunner: owns the model and the KV cache tensors, turns a scheduled step into flat batch tensors
-(input ids, positions, slot mapping, block tables), runs the forward (a CUDA graph for decode steps when
-one fits), and samples."""
+"""ModelRunner: owns the model and the KV cache tensors, turns a scheduled step into a flat batch (input
+ids, positions, slot mapping, block tables), runs the forward (a CUDA graph for decode steps when one fits),
+and samples. With tensor parallelism the host-side batch is what rank 0 sends the other ranks, which replay
+the same forward (engine/tp_worker.py)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tokenmill.config import EngineArgs, ModelConfig
 from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.distributed import all_reduce_min, broadcast_object, tp_size
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
+from tokenmill.layers.linear import kv_heads_per_rank
 from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare_fp8_kv
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput
@@ -20,9 +24,24 @@ DEFAULT_CPU_KV_BYTES = 512 << 20
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token, in the cache's dtype (int8 rows carry their scales)."""
+    """K and V of every layer for one token on this rank, in the cache's dtype (int8 rows carry their scales)."""
     row = kv_row_width(config.head_dim, dtype) * dtype.itemsize
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * row
+    return 2 * config.num_hidden_layers * kv_heads_per_rank(config.num_key_value_heads) * row
+
+
+@dataclass
+class ModelInput:
+    """One step's flat batch on the host: small, picklable, and all any rank needs to run the forward."""
+
+    input_ids: np.ndarray        # [num_tokens] int64
+    positions: np.ndarray        # [num_tokens] int64
+    slot_mapping: np.ndarray     # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    seq_lens: np.ndarray         # [num_seqs] int32
+    block_tables: np.ndarray     # [num_seqs, max_blocks] int32
+    sample_rows: np.ndarray      # rows whose logits are sampled, int64
+    max_query_len: int
+    max_seq_len: int
 
 
 class ModelRunner:
@@ -40,7 +59,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
         if self.kv_dtype == torch.float8_e4m3fn:
             prepare_fp8_kv(model, device, dtype, model_config.vocab_size)
-        self.num_blocks = self._num_blocks()
+        self.tp_size = tp_size()
+        self.num_blocks = all_reduce_min(self._num_blocks())  # every rank's cache holds the same block ids
         self._allocate_kv_cache()
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, device, args.seed)
         self.rejection_sampler = RejectionSampler(self.sampler) if args.speculative else None
@@ -95,7 +115,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
-        shape = (2, c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads,
+        shape = (2, c.num_hidden_layers, self.num_blocks, self.block_size, kv_heads_per_rank(c.num_key_value_heads),
                  kv_row_width(c.head_dim, self.kv_dtype))
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
@@ -103,10 +123,9 @@ class ModelRunner:
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     # ---- one step ---------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, block_ids: list[list[int]]
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat batch tensors for a step; returns input ids, positions, metadata and the indices of the
-        rows whose logits are sampled (with draft tokens: the last row and every draft row)."""
+    def prepare_input(self, out: SchedulerOutput, block_ids: list[list[int]]) -> ModelInput:
+        """The flat batch of a step; sample_rows are the rows whose logits are sampled (with draft tokens: the
+        last row and every draft row)."""
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens, sample_rows = [], [], [], [0], [], []
         for s, blocks in zip(out.scheduled, block_ids):
@@ -126,17 +145,12 @@ class ModelRunner:
         tables = np.zeros((len(block_ids), max_blocks), dtype=np.int32)
         for i, b in enumerate(block_ids):
             tables[i, : len(b)] = b
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens))
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
-        return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        return ModelInput(
+            input_ids=np.asarray(ids, dtype=np.int64), positions=np.concatenate(pos),
+            slot_mapping=np.concatenate(slots), query_start_loc=np.asarray(qsl, dtype=np.int32),
+            seq_lens=np.asarray(seq_lens, dtype=np.int32), block_tables=tables,
+            sample_rows=np.asarray(sample_rows, dtype=np.int64),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SamplerOutput | VerifyOutput:
@@ -152,12 +166,32 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput, block_ids: list[list[int]]) -> torch.Tensor | None:
         """Forward one step; the logits of the rows to sample, None if there are none."""
-        input_ids, positions, meta, sample_rows = self.prepare(out, block_ids)
-        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(len(out.scheduled), meta):
-            hidden = self.graphs.replay(input_ids, positions, meta)[: len(out.scheduled)]
+        if tp_size() != self.tp_size:
+            raise RuntimeError(f"this runner was built for {self.tp_size} tensor-parallel rank(s) but the process now "
+                               f"runs a group of {tp_size()}: one engine at a time when tensor parallelism is on")
+        batch = self.prepare_input(out, block_ids)
+        if self.tp_size > 1:
+            broadcast_object(batch)  # the other ranks run this same forward (engine/tp_worker.py)
+        return self.forward(batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: ModelInput) -> torch.Tensor | None:
+        """The forward of one flat batch; logits of its sample rows, None if there are none."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(batch.query_start_loc).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(batch.seq_lens).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(batch.block_tables).to(dev, non_blocking=True),
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+        input_ids = torch.from_numpy(batch.input_ids).to(dev, non_blocking=True)
+        positions = torch.from_numpy(batch.positions).to(dev, non_blocking=True)
+        num_seqs = len(batch.seq_lens)
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(num_seqs, meta):
+            hidden = self.graphs.replay(input_ids, positions, meta)[:num_seqs]
         else:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)
-        if not sample_rows.numel():
+        if not len(batch.sample_rows):
             return None
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden[torch.from_numpy(batch.sample_rows).to(dev, non_blocking=True)])

@@ -1,0 +1,40 @@
+"""Where an engine rank runs: its device (tensor-parallel ranks take one GPU each, by local rank) and the
+compute dtype."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.config import parse_dtype
+
+
+def pick_device(device: str, local_rank: int = 0) -> torch.device:
+    """The device named by EngineArgs.device; on CUDA, tensor-parallel rank i of a node takes GPU i."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but CUDA is not available; use device='cpu'")
+    picked = torch.device(device)
+    if picked.type == "cuda" and local_rank:
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"tensor-parallel local rank {local_rank} needs GPU {local_rank}, but this node has "
+                             f"{torch.cuda.device_count()}")
+        picked = torch.device("cuda", local_rank)
+    return picked
+
+
+def pick_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return parse_dtype(checkpoint_dtype)
+    return torch.bfloat16
+
+
+def share_cpu_threads(ranks_on_node: int) -> None:
+    """CPU ranks of one node split its cores rather than fight over them (OMP_NUM_THREADS, when set, rules)."""
+    if ranks_on_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
