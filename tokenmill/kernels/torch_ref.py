@@ -73,18 +73,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     threads the kernel also splits work by batch size, and the query blocking changes with the number of
     query rows, e.g. after a prefix-cache hit: bit-for-bit batch invariance is not guaranteed there.)"""
     pad = -k.shape[1] % KV_PAD
-    kf, vf = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (k, v))
-    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), kf, vf, attn_mask=F.pad(mask, (0, pad)).unsqueeze(1),
-                                       scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    kf, vf = k.float(), v.float()
+    if pad:
+        kf, vf, mask = F.pad(kf, (0, 0, 0, 0, 0, pad)), F.pad(vf, (0, 0, 0, 0, 0, pad)), F.pad(mask, (0, pad))
+    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2),
+                                       attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence: gather all contexts at once, padded and masked."""
+    """One query token per sequence: gather all contexts at once, padded and masked. The tables are padded with
+    block 0 up to KV_PAD keys, so the gather makes the padded length without another copy."""
     num_seqs, block_size = q.shape[0], k_cache.shape[1]
     nb = (int(seq_lens.max()) + block_size - 1) // block_size
-    tables = block_tables[:, :nb]
+    nb += -nb % max(1, KV_PAD // block_size)
+    tables = F.pad(block_tables[:, :nb], (0, nb - min(nb, block_tables.shape[1])))
     k = _gather_blocks(k_cache, tables).view(num_seqs, nb * block_size, k_cache.shape[2], -1)
     v = _gather_blocks(v_cache, tables).view(num_seqs, nb * block_size, v_cache.shape[2], -1)
     mask = torch.arange(nb * block_size, device=q.device) < seq_lens[:, None]
