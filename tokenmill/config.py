@@ -204,6 +204,3 @@ class EngineArgs:
         if tp > 1 and (self.speculative or "").startswith("draft:"):
             raise ValueError(f"speculative={self.speculative!r} needs tensor_parallel_size=1 (the draft model is not "
                              "split over ranks); use speculative='ngram'")
-        if tp > 1 and self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r} needs tensor_parallel_size=1 (quantized weights are "
-                             "not split over ranks)")

@@ -148,7 +148,6 @@ def test_size_that_does_not_split_the_model_fails_before_spawning() -> None:
     (dict(tensor_parallel_size=4, nnodes=2, node_rank=2, master_port=29500), r"node_rank=2 must be in \[0, nnodes=2\)"),
     (dict(tensor_parallel_size=4, nnodes=2), "needs master_addr and master_port"),
     (dict(tensor_parallel_size=2, speculative="draft:self"), "needs tensor_parallel_size=1"),
-    (dict(tensor_parallel_size=2, quantization="int8"), "needs tensor_parallel_size=1"),
 ])
 def test_bad_parallel_options(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -8,6 +8,8 @@ import os
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.quant.linear import QuantLinear
+from tokenmill.runner.model_runner import ModelRunner
 
 TINY = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=49152, hidden_size=64, intermediate_size=96,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -25,18 +27,26 @@ def randomize(model: torch.nn.Module, std: float = 0.08) -> None:
             p.data.normal_(0, std, generator=torch.Generator().manual_seed(len(name)))
 
 
-def write_tiny_checkpoint(out: str, default_model_path: str) -> str:
+def write_tiny_checkpoint(out: str, default_model_path: str, config: ModelConfig = TINY) -> str:
     """config.json + random model.safetensors + the default model's tokenizer, exported, into `out`."""
     from safetensors.torch import save_file
 
     from tokenmill.model.loader import load_model
     from tokenmill.quant.checkpoint import quantized_state, save_tokenizer
     from tokenmill.tokenizer import load_tokenizer
-    model = load_model(TINY, None, "dummy", torch.float32, "cpu", seed=3)
+    model = load_model(config, None, "dummy", torch.float32, "cpu", seed=3)
     randomize(model)
     tensors, _ = quantized_state(model, torch.float32)
     save_file(tensors, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({**TINY.to_hf_dict(), "torch_dtype": "float32"}, f)
+        json.dump({**config.to_hf_dict(), "torch_dtype": "float32"}, f)
     save_tokenizer(load_tokenizer(default_model_path), default_model_path, out)
     return out
+
+
+def quant_bytes(runner: ModelRunner) -> tuple[int, int]:
+    """(packed weight bytes, scale and min bytes) of a runner's quantized projections (a collective_rpc fn)."""
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    meta = [t for m in layers for t in (m.weight_scale, m.weight_min) if t is not None]
+    return (sum(m.weight.numel() * m.weight.element_size() for m in layers),
+            sum(t.numel() * t.element_size() for t in meta))

@@ -3,7 +3,9 @@
 Every engine call (add, abort, step, stats) runs in one worker thread, one at a time: the event loop queues adds
 and aborts, and the worker applies them just before the next step, so they never race step() and the event loop
 stays responsive while the model runs. Each request gets a RequestStream of its outputs. A failing add fails that
-request only; a failing step fails the requests in flight, and the loop goes on."""
+request only; a failing step fails the requests in flight, and the loop goes on, except after a
+TensorParallelError: the group is gone and every later step would fail, so the loop ends with the engine marked
+failed (`failure`), refusing new requests; the server then reports itself unhealthy."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from tokenmill.engine.llm_engine import LLMEngine, StepStats
+from tokenmill.engine.tp_launcher import TensorParallelError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -94,6 +97,7 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-engine")
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self.failure: str | None = None  # why the engine can never step again, once it cannot
 
     # ---- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -126,6 +130,8 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, timeout_s: float | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; raises its ValueError / QueueFullError."""
+        if self.failure is not None:
+            raise RequestFailedError(f"the engine failed and takes no more requests: {self.failure}")
         if not self.is_running:
             raise RequestFailedError("the engine loop is not running")
         if request_id in self._streams:
@@ -142,9 +148,9 @@ class AsyncEngine:
             raise
         return stream
 
-    def abort(self, request_id: str, reason: str) -> None:
+    def abort(self, request_id: str, reason: str, error: Exception | None = None) -> None:
         """Abort a request in flight; the engine frees its blocks before its next step. A request whose add
-        the worker has not taken yet never reaches the engine."""
+        the worker has not taken yet never reaches the engine: its add raises `error`."""
         if self._streams.pop(request_id, None) is None:
             return
         pending = next((a for a in self._adds if a.request_id == request_id), None)
@@ -153,7 +159,7 @@ class AsyncEngine:
         else:
             self._adds.remove(pending)
             if not pending.done.done():
-                pending.done.set_exception(RequestFailedError("the request was aborted before it started"))
+                pending.done.set_exception(error or RequestFailedError("the request was aborted before it started"))
         if self.observer is not None:
             self.observer.on_abort(reason)
         self._kick()
@@ -162,7 +168,7 @@ class AsyncEngine:
         """Abort every request in flight, ending each stream with `error`."""
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(error)
-            self.abort(rid, reason)
+            self.abort(rid, reason, error)
 
     async def get_stats(self) -> dict[str, Any]:
         """The engine's statistics, read between two steps, after the aborts asked for so far."""
@@ -201,6 +207,8 @@ class AsyncEngine:
                         a.done.set_exception(RequestFailedError(f"engine error: {e}"))
                 self.abort_all("error", RequestFailedError(f"engine error: {e}"))
                 continue
+            if self.failure is not None:
+                return  # every later step would fail the same way
             if it.step is not None and it.step.num_prefill_tokens + it.step.num_decode_tokens == 0:
                 await asyncio.sleep(0.001)  # nothing could be scheduled: do not spin
 
@@ -240,6 +248,10 @@ class AsyncEngine:
         if it.step_error is not None:
             if self.observer is not None and isinstance(it.step_error, (torch.OutOfMemoryError, MemoryError)):
                 self.observer.on_oom()
+            if isinstance(it.step_error, TensorParallelError):
+                self.failure = str(it.step_error)
+                logger.error("the engine cannot run again: its loop ends and /health reports 503 until the server "
+                             "is restarted")
             self.abort_all("error", RequestFailedError(f"the engine failed while running this request: "
                                                        f"{type(it.step_error).__name__}: {it.step_error}"))
         for out in it.outputs:

@@ -25,6 +25,9 @@ from tokenmill.distributed import (TIMEOUT_ENV, broadcast_object, collective_tim
                                    destroy_tp_group, gather_object, init_tp_group)
 from tokenmill.engine.devices import share_cpu_threads
 from tokenmill.engine.tp_worker import KEEPALIVE, SHUTDOWN, CollectiveRPC, ranks_per_node, run_worker
+from tokenmill.quant.formats import QuantFormat
+from tokenmill.quant.loading import GGUF_NATIVE
+from tokenmill.quant.sharding import check_row_parallel
 from tokenmill.runner.model_runner import ModelRunner
 
 DEATH_GRACE_S = 2.0      # after a failed collective, how long a dying local rank gets to show its exit code
@@ -49,6 +52,17 @@ def check_tp_shapes(config: ModelConfig, tp: int) -> None:
                      f"{config.num_attention_heads} attention heads, {config.num_key_value_heads} KV heads, "
                      f"intermediate_size {config.intermediate_size} and vocab_size {config.vocab_size}); "
                      f"sizes that work: {', '.join(map(str, sizes))}")
+
+
+def check_quant_split(config: ModelConfig, tp: int, quantization: str | None) -> None:
+    """Quantizing at load, the row-parallel projections (o_proj, down_proj) must split into whole groups: say
+    which does not before any process starts (quantized checkpoints and GGUF files are checked as their
+    layers are built)."""
+    if quantization is None or quantization == GGUF_NATIVE:
+        return
+    fmt = QuantFormat.parse(quantization)
+    for in_features in (config.num_attention_heads * config.head_dim, config.intermediate_size):
+        check_row_parallel(fmt, in_features, tp)
 
 
 def free_port(addr: str) -> int:
@@ -97,6 +111,7 @@ class TPWorkerGroup:
             raise ValueError(f"node_rank={args.node_rank}: the engine runs on node 0; the ranks of other nodes are "
                              "started with `tokenmill worker`")
         check_tp_shapes(model_config, args.tensor_parallel_size)
+        check_quant_split(model_config, args.tensor_parallel_size, args.quantization)
         if device.type == "cuda" and ranks_per_node(args) > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} over nnodes={args.nnodes} needs "
                              f"{ranks_per_node(args)} GPUs on each node; this one has {torch.cuda.device_count()}")

@@ -2,11 +2,14 @@
 and before weights load, so model code never branches on formats or devices.
 
 They subclass Linear / MergedLinear (without their float-weight constructors) so everything that treats
-projections as projections, the checkpoint bookkeeping of load_weights included, keeps working. With one
-tensor-parallel rank (the only case supported here) the column/row-parallel layers are plain linears. `weight`
+projections as projections, the checkpoint bookkeeping of load_weights included, keeps working. `weight`
 is the packed tensor (a parameter, so a checkpoint missing it is reported), `weight_scale` / `weight_min`
 are buffers. A shard arrives either as a float tensor (quantized on the layer's device) or as a
 QuantizedWeight in the layer's format (GGUF blocks, a quantized checkpoint), copied as it is.
+
+Tensor parallelism follows the float layers they replace (layers/linear.py): a column-parallel rank keeps its
+output rows (QKV: its query heads, its KV heads or a replicated one), a row-parallel rank its input columns,
+all-reducing its partial sums and adding the bias after; quant/sharding.py cuts the packed tensors.
 """
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenmill.distributed import tp_size
+from tokenmill.distributed import all_reduce, tp_size
 from tokenmill.kernels.cpu_quant import CpuPackedWeight, cpu_quant_linear, prepack, supports
-from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
+from tokenmill.quant import sharding
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
 
 QuantLinearFn = Callable[..., torch.Tensor]
@@ -34,13 +38,19 @@ def quant_linear_fn(device: torch.device) -> QuantLinearFn:
 
 
 class QuantLinear(Linear):
-    """y = x W^T + b with W packed in `fmt`; the matmul dequantizes in registers (Triton) or per call (CPU)."""
+    """y = x W^T + b with W packed in `fmt`; the matmul dequantizes in registers (Triton) or per call (CPU).
+    in_features / out_features are this rank's; row_start is the first checkpoint row it keeps
+    (column-parallel), col_range the checkpoint inputs it keeps (row-parallel)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: QuantFormat,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
+                 device: torch.device | str, dtype: torch.dtype, row_start: int = 0,
+                 col_range: tuple[int, int] | None = None) -> None:
         nn.Module.__init__(self)  # not Linear.__init__: no float weight is ever allocated
+        if col_range is not None:
+            sharding.check_row_parallel(fmt, in_features * tp_size(), tp_size())
         device = torch.device(device)
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.row_start, self.col_range = row_start, col_range
         self.group = fmt.group(in_features)
         self.weight = nn.Parameter(torch.zeros(fmt.qweight_shape(out_features, in_features),
                                                dtype=fmt.qweight_dtype, device=device), requires_grad=False)
@@ -53,21 +63,41 @@ class QuantLinear(Linear):
         self.matmul = quant_linear_fn(device)
         self._cpu_packed: CpuPackedWeight | None = None
 
-    def _rows(self, shard: int | None) -> tuple[int, int]:
+    def _rows(self, shard: int | None) -> tuple[int, int, int]:
+        """(first row in this layer, first row in the checkpoint tensor, rows) of a checkpoint tensor."""
         if shard is not None:
             raise ValueError(f"a single projection has no shard {shard}")
-        return 0, self.out_features
+        return 0, self.row_start, self.out_features
 
     def load_shard(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: int | None = None) -> None:
-        start, size = self._rows(shard)
+        """Copy this rank's part of a checkpoint tensor ('weight' or 'bias', or one shard of it)."""
+        dst, src, size = self._rows(shard)
         if name == "bias":
             if self.bias is None:
                 raise ValueError("checkpoint has a bias the layer does not expect")
+            tensor = tensor[src:src + size]
             if tuple(tensor.shape) != (size,):
                 raise ValueError(f"shape mismatch for bias: checkpoint {tuple(tensor.shape)}, model ({size},)")
-            self.bias.data[start:start + size].copy_(tensor)
+            self.bias.data[dst:dst + size].copy_(tensor)
             return
+        self._store(self._local(tensor, src, size), dst, size)
+
+    def _local(self, tensor: torch.Tensor | QuantizedWeight, start: int, size: int) -> QuantizedWeight:
+        """This rank's part of a checkpoint weight. A float matrix is quantized whole, as one rank quantizes it,
+        and cut afterwards: a per-channel INT8 scale is the max over the whole row, so a rank quantizing only its
+        columns would round differently, and quantizing the very tensor one rank quantizes is what makes every
+        value equal, whatever the format and the reductions' order. Costs a rank the quantization of the whole
+        tensor, at load only."""
         qw = tensor if isinstance(tensor, QuantizedWeight) else quantize(tensor.to(self.weight.device), self.fmt)
+        qw = sharding.rows(qw, start, start + size)
+        if self.col_range is None:
+            return qw
+        if qw.in_features != self.in_features * tp_size():
+            raise ValueError(f"shape mismatch for weight: checkpoint has {qw.in_features} inputs, model "
+                             f"{self.in_features} on each of {tp_size()} ranks")
+        return sharding.columns(qw, *self.col_range)
+
+    def _store(self, qw: QuantizedWeight, start: int, size: int) -> None:
         if qw.fmt.bits != self.fmt.bits or qw.fmt.group(qw.in_features) != self.group:
             raise ValueError(f"checkpoint weight is {qw.fmt.name}, the layer expects {self.fmt.name}")
         if (qw.out_features, qw.in_features) != (size, self.in_features):
@@ -78,6 +108,13 @@ class QuantLinear(Linear):
         self.weight_scale[start:start + size].copy_(qw.scales)
         if self.weight_min is not None:
             self.weight_min[start:start + size].copy_(qw.mins)
+
+    def load_local(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> None:
+        """Hold a weight already cut to this rank (a float one is quantized here) and its bias."""
+        qw = weight if isinstance(weight, QuantizedWeight) else quantize(weight.to(self.weight.device), self.fmt)
+        self._store(qw, 0, self.out_features)
+        if bias is not None:
+            self.bias.data.copy_(bias)
 
     def scale_rows_(self, start: int, end: int, factor: float) -> None:
         """Multiply output rows [start, end) of the weight by factor (the bias is left alone)."""
@@ -98,10 +135,15 @@ class QuantLinear(Linear):
         return self._cpu_packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.col_range is None else None
         if (packed := self._cpu_kernel_weight(x)) is not None:
-            return cpu_quant_linear(x, packed, self.bias)
-        return self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group,
-                           self.bias)
+            y = cpu_quant_linear(x, packed, bias)
+        else:
+            y = self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group, bias)
+        if self.col_range is None:
+            return y
+        y = all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
@@ -109,35 +151,40 @@ class QuantLinear(Linear):
 
 class QuantMergedLinear(QuantLinear, MergedLinear):
     """Several projections of the same input stacked along the output dim, quantized row-wise (so each shard
-    quantizes on its own exactly as the stacked matrix would)."""
+    quantizes on its own exactly as the stacked matrix would). output_sizes are this rank's; shard i keeps
+    rows [start, start + size) of its checkpoint matrix (all of them with one rank)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, fmt: QuantFormat,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
+                 device: torch.device | str, dtype: torch.dtype,
+                 shard_slices: list[tuple[int, int]] | None = None) -> None:
         QuantLinear.__init__(self, in_features, sum(output_sizes), bias, fmt, device, dtype)
         self.output_sizes = list(output_sizes)
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        self.shard_slices = shard_slices or [(0, n) for n in output_sizes]
 
-    def _rows(self, shard: int | None) -> tuple[int, int]:
+    def _rows(self, shard: int | None) -> tuple[int, int, int]:
         if shard is None:
-            return 0, self.out_features
-        return self.offsets[shard], self.output_sizes[shard]
+            return 0, 0, self.out_features
+        return self.offsets[shard], self.shard_slices[shard][0], self.output_sizes[shard]
 
 
 def to_quant_linear(module: Linear, fmt: QuantFormat, weight: torch.Tensor | QuantizedWeight | None) -> QuantLinear:
-    """The quantized twin of a Linear / MergedLinear on its device, holding `weight` (a float matrix is
-    quantized here) and the module's bias; with weight None it is empty and waits for load_shard."""
-    if tp_size() > 1:
-        raise ValueError("quantized weights need tensor_parallel_size=1 (their shards are not split over ranks)")
+    """The quantized twin of a Linear / MergedLinear (tensor-parallel ones included) on its device, holding
+    `weight`, the module's own rank-local weight (a float matrix is quantized here), and the module's bias;
+    with weight None it is empty and waits for load_shard."""
     device, dtype = module.weight.device, module.weight.dtype
     has_bias = module.bias is not None
     if isinstance(module, MergedLinear):
-        q: QuantLinear = QuantMergedLinear(module.in_features, module.output_sizes, has_bias, fmt, device, dtype)
+        q: QuantLinear = QuantMergedLinear(module.in_features, module.output_sizes, has_bias, fmt, device, dtype,
+                                           module.shard_slices)
+    elif isinstance(module, RowParallelLinear):
+        q = QuantLinear(module.in_features, module.out_features, has_bias, fmt, device, dtype,
+                        col_range=module.col_range)
     else:
-        q = QuantLinear(module.in_features, module.out_features, has_bias, fmt, device, dtype)
+        row_start = module.row_range[0] if isinstance(module, ColumnParallelLinear) else 0
+        q = QuantLinear(module.in_features, module.out_features, has_bias, fmt, device, dtype, row_start)
     if weight is not None:
-        q.load_shard("weight", weight)
-        if has_bias:
-            q.load_shard("bias", module.bias.data)
+        q.load_local(weight, module.bias.data if has_bias else None)
     return q
 
 

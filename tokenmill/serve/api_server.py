@@ -129,7 +129,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health", response_model=HealthResponse, tags=["server"], responses=_errors(503))
     async def health() -> Response:
-        """200 while the server takes requests; 503 while it drains or if the engine loop stopped."""
+        """200 while the server takes requests; 503 while it drains, if the engine failed for good (its
+        tensor-parallel group is gone) or if the engine loop stopped."""
+        if async_engine.failure is not None:
+            return error_response(503, f"the engine failed: {async_engine.failure}", code="engine_unavailable")
         if serving.draining:
             return error_response(503, "the server is shutting down", code="draining")
         if not async_engine.is_running:

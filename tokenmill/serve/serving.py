@@ -167,6 +167,8 @@ class OpenAIServing:
             return APIError(504, f"{e} and was aborted", code="request_timeout")
         if self.draining:
             return APIError(503, str(e), code="shutdown")
+        if self.engine.failure is not None:
+            return APIError(503, str(e), code="engine_unavailable")
         return APIError(500, str(e), code="engine_error")
 
     async def _collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
