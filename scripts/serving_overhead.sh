@@ -40,5 +40,5 @@ print(f"{'rate':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p5
 for name in ("http", "rate1", "rate2", "rate4"):
     r = json.load(open(f"{out}/{name}.json"))
     print(f"{r['request_rate']:>6} {r['request_throughput']:>7.2f} {r['output_throughput']:>10.1f} "
-          f"{r['ttft']['median']:>12.1f} {r['tpot']['median']:>12.1f} {r['e2el']['median'] / 1e3:>10.2f}")
+          f"{r['median_ttft_ms']:>12.1f} {r['median_tpot_ms']:>12.1f} {r['median_e2el_ms'] / 1e3:>10.2f}")
 EOF

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -55,9 +56,10 @@ def _event_stream(chunk: type) -> dict[int | str, dict[str, Any]]:
         "contentSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}}}}}
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecutor | None = None) -> FastAPI:
+    """executor: the engine thread the engine was built on (async_engine.engine_thread)."""
     metrics = ServerMetrics(config.model_name)
-    async_engine = AsyncEngine(engine, observer=metrics)
+    async_engine = AsyncEngine(engine, observer=metrics, executor=executor)
     serving = OpenAIServing(async_engine, config.model_name, metrics)
     dashboard = Dashboard()
     started = int(time.time())

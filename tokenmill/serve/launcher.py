@@ -64,14 +64,16 @@ def served_model_name(ns: argparse.Namespace, model_path: str | None) -> str:
 
 
 def run_server(ns: argparse.Namespace) -> None:
+    from tokenmill.engine.async_engine import engine_thread
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.serve.api_server import ServerConfig, build_app
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_args_from(ns))
+    executor = engine_thread()
+    engine = executor.submit(LLMEngine, engine_args_from(ns)).result()
     name = served_model_name(ns, engine.model_path)
     app = build_app(engine, ServerConfig(model_name=name, model_root=engine.model_path or name, api_key=ns.api_key,
-                                         max_request_bytes=ns.max_request_bytes))
+                                         max_request_bytes=ns.max_request_bytes), executor)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
