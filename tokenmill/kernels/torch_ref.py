@@ -13,18 +13,41 @@ Conventions shared with the Triton kernels (tokenmill/kernels/triton_*.py):
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.quant_ref import from_kv_cache, to_kv_cache
 
 
+class _StepMemo:
+    """What the twins derive from a step's metadata tensors (the decode gather tables and mask, the rotary rows,
+    whether any slot is padding), made by the first layer of a forward and reused by the others: on the CPU the
+    ops cost more than their arithmetic. Every layer gets the same tensor objects and the runner makes new ones
+    (or new views) each step, so object identity is the key; holding the objects keeps their ids from being
+    reused by later tensors."""
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.value: Any = None
+
+    def get(self, key: tuple, build: Callable[[], Any]) -> Any:
+        if len(key) != len(self.key) or any(a is not b for a, b in zip(key, self.key)):
+            self.key, self.value = key, build()
+        return self.value
+
+
+_slots, _decode, _rotary = _StepMemo(), _StepMemo(), _StepMemo()
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter this step's keys and values into their cache slots (quantized for fp8/int8 caches)."""
     num_blocks, block_size = k_cache.shape[:2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    valid = _slots.get((slot_mapping,), lambda: None if bool((slot_mapping >= 0).all()) else slot_mapping >= 0)
+    if valid is not None:
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = to_kv_cache(k, k_cache.dtype)
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = to_kv_cache(v, v_cache.dtype)
@@ -84,24 +107,36 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence: gather all contexts at once, padded and masked. The tables are padded with
-    block 0 up to KV_PAD keys, so the gather makes the padded length without another copy."""
+    block 0 up to KV_PAD keys (see _attend), so the gather makes the padded length without another copy."""
     num_seqs, block_size = q.shape[0], k_cache.shape[1]
-    nb = (int(seq_lens.max()) + block_size - 1) // block_size
-    nb += -nb % max(1, KV_PAD // block_size)
-    tables = F.pad(block_tables[:, :nb], (0, nb - min(nb, block_tables.shape[1])))
-    k = _gather_blocks(k_cache, tables).view(num_seqs, nb * block_size, k_cache.shape[2], -1)
-    v = _gather_blocks(v_cache, tables).view(num_seqs, nb * block_size, v_cache.shape[2], -1)
-    mask = torch.arange(nb * block_size, device=q.device) < seq_lens[:, None]
-    return _attend(q.unsqueeze(1), k, v, mask.unsqueeze(1), scale).squeeze(1)
+
+    def layout() -> tuple[torch.Tensor, torch.Tensor, int]:
+        nb = (int(seq_lens.max()) + block_size - 1) // block_size
+        nb += -nb % max(1, KV_PAD // block_size)
+        tables = F.pad(block_tables[:, :nb], (0, nb - min(nb, block_tables.shape[1]))).reshape(-1).long()
+        mask = torch.arange(nb * block_size, device=q.device) < seq_lens[:, None]
+        return tables, mask[:, None, None, :], nb * block_size
+
+    tables, mask, num_keys = _decode.get((seq_lens, block_tables), layout)
+    k = from_kv_cache(k_cache.index_select(0, tables)).view(num_seqs, num_keys, k_cache.shape[2], -1)
+    v = from_kv_cache(v_cache.index_select(0, tables)).view(num_seqs, num_keys, v_cache.shape[2], -1)
+    o = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[2])
+    return o.squeeze(2).to(q.dtype)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate halves) rotary embedding; cos_sin_cache: [max_pos, rot_dim] = cat(cos, sin).
-    q and k rotate together (one set of ops for both: on the CPU each op costs more than its arithmetic)."""
-    cos, sin = cos_sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-    x1, x2 = torch.cat((q, k), dim=1).chunk(2, dim=-1)
-    qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    As x·cat(cos, cos) + swap_halves(x)·cat(-sin, sin), q and k together: on the CPU each op costs more than its
+    arithmetic, and this is the same arithmetic as x1·cos - x2·sin, x2·cos + x1·sin in fewer ops."""
+    def rows() -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    cos, sin = _rotary.get((positions, cos_sin_cache, q.dtype), rows)
+    qk = torch.cat((q, k), dim=1)
+    qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
     return qk.split([q.shape[1], k.shape[1]], dim=1)
 
 
