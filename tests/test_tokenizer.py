@@ -1,10 +1,12 @@
-"""Our tokenizer against transformers' AutoTokenizer: the default GGUF, and Hugging Face folders derived from it
-(as saved, with BOS insertion on, with an extra special token, with a template in tokenizer_config.json)."""
+"""Our tokenizer against transformers' AutoTokenizer: the default GGUF, a tiny SentencePiece (Llama 2 style) GGUF,
+and Hugging Face folders derived from the default GGUF (as saved, with BOS insertion on, with an extra special
+token, with a template in tokenizer_config.json)."""
 from __future__ import annotations
 
 import json
 import os
 
+import gguf
 import jinja2
 import pytest
 from tokenizers import Tokenizer as Backend
@@ -74,6 +76,67 @@ def test_gguf_tokenizer_properties(gguf_tokenizer: Tokenizer, hf_gguf_tokenizer)
     assert gguf_tokenizer.vocab_size == len(hf_gguf_tokenizer) == 49152
     assert set(hf_gguf_tokenizer.all_special_ids) <= set(gguf_tokenizer.all_special_ids)
     assert gguf_tokenizer.encode("Hi") == gguf_tokenizer.encode("Hi", add_special_tokens=False)  # add_bos_token off
+
+
+# A Llama 2 style vocabulary: <unk> <s> </s>, the 256 byte tokens, then pieces whose scores rank the merges
+# transformers derives (a SentencePiece GGUF stores no merges), one control and one user-defined token.
+SP_PIECES = {"▁": -1.0, "▁t": -2.0, "▁th": -3.0, "▁the": -4.0, "h": -5.0, "e": -6.0, "t": -7.0,
+             "he": -8.0, "▁a": -9.0, "a": -10.0, "▁▁": -11.0, "▁c": -12.0, "c": -13.0,
+             "at": -14.0, "▁ca": -15.0, "▁cat": -16.0, "[INST]": 0.0, "<tool>": 0.0}
+SP_TEXTS = ["the cat", "  the  cat  ", "a\nthe\n\ncat\n", "▁the", "café 🙂", "<s>the</s> [INST] <tool>",
+            "hat", ""]
+
+
+def write_sentencepiece_gguf(path, add_bos_token: bool | None = None) -> str:
+    """The tokenizer metadata of a Llama 2 GGUF (all that both loaders read), no tensors."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SP_PIECES]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
+             *[gguf.TokenType.BYTE] * 256, *[gguf.TokenType.NORMAL] * (len(SP_PIECES) - 2),
+             gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + list(SP_PIECES.values()))
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos_token is not None:
+        writer.add_add_bos_token(add_bos_token)
+    writer.add_chat_template(CUSTOM_TEMPLATE)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("add_bos_token", [None, True, False], ids=["bos-unset", "bos-on", "bos-off"])
+def test_sentencepiece_gguf_matches_transformers(add_bos_token: bool | None, tmp_path) -> None:
+    path = write_sentencepiece_gguf(tmp_path / "sp.gguf", add_bos_token)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
+    ours = load_tokenizer(path)
+    assert_same(ours, ref, SP_TEXTS)
+    assert ours.backend.to_str() == ref.backend_tokenizer.to_str()
+    assert ours.encode("the cat", add_special_tokens=False) == [ours.token_to_id("▁the"),
+                                                                 ours.token_to_id("▁cat")]
+    assert ours.encode("é", add_special_tokens=False)[1:] == [ours.token_to_id("<0xC3>"),
+                                                                 ours.token_to_id("<0xA9>")]  # byte fallback
+    bos = [] if add_bos_token is False else [1]  # unset: llama.cpp's default for SentencePiece, BOS on
+    assert ours.encode("hi") == bos + ours.encode("hi", add_special_tokens=False)
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.vocab_size) == (1, [2], len(ref))
+
+
+def test_unsupported_gguf_tokenizer(tmp_path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "t5")
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(["<pad>", "</s>"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"tokenizer type 't5' is not supported; supported: 'gpt2' .*'llama'"):
+        load_tokenizer(str(tmp_path / "t5.gguf"))
 
 
 def hf_folder(tmp_path, ref, bos: bool = False, **config_changes) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from gguf import GGUFReader
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
@@ -171,19 +172,29 @@ def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
             for i, t in enumerate(tokens)}
 
 
-def _load_gguf_tokenizer(path: str) -> Tokenizer:
-    reader = open_gguf(path)
-    kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: GGUF tokenizer type {kind!r} is not supported; supported: 'gpt2' "
-                         "(byte-level BPE); use the model's Hugging Face folder for its tokenizer instead")
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+def _gguf_merges(reader: GGUFReader, tokens: list[str], path: str) -> list[tuple[str, str]]:
+    """The file's merges; a SentencePiece vocabulary has none, so derive them as transformers'
+    `generate_merges` does: every split of a token into two tokens, ranked by the token's score, then by longer
+    left and right pieces; remaining ties keep vocabulary order."""
     merges = gguf_field(reader, "tokenizer.ggml.merges")
-    if not tokens or not merges:
-        raise ValueError(f"{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    token_types = gguf_field(reader, "tokenizer.ggml.token_type", [])
+    if merges:
+        return [tuple(m.split(" ")) for m in merges]
+    scores = gguf_field(reader, "tokenizer.ggml.scores")
+    if not scores:
+        raise ValueError(f"{path}: GGUF lacks both tokenizer.ggml.merges and tokenizer.ggml.scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score in dict(zip(tokens, scores)).items():
+        splits = [(token[:k], token[k:], score) for k in range(1, len(token))
+                  if token[:k] in vocab and token[k:] in vocab]
+        ranked.extend(sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
 
-    backend = Backend(BPE(vocab=_byte_level_vocab(tokens), merges=[tuple(m.split(" ")) for m in merges],
+
+def _byte_level_backend(reader: GGUFReader, tokens: list[str], path: str) -> Backend:
+    """Byte-level BPE (tokenizer.ggml.model "gpt2"): GPT-2's byte alphabet, split by tokenizer.ggml.pre."""
+    backend = Backend(BPE(vocab=_byte_level_vocab(tokens), merges=_gguf_merges(reader, tokens, path),
                           dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     split = GGUF_PRE_TOKENIZER_SPLITS.get(gguf_field(reader, "tokenizer.ggml.pre"))
     if split is None:
@@ -193,14 +204,50 @@ def _load_gguf_tokenizer(path: str) -> Tokenizer:
                                                          pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                   use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
-               if kind == _CONTROL and set(t) <= alphabet]
+    return backend
+
+
+def _sentencepiece_backend(reader: GGUFReader, tokens: list[str], path: str) -> Backend:
+    """SentencePiece BPE (tokenizer.ggml.model "llama": Llama 2, Mistral), as transformers' LlamaTokenizer
+    builds it: spaces as ▁ with one prepended to the text's start, characters outside the vocabulary as
+    <0xXX> byte tokens. Like transformers, tokenizer.ggml.add_space_prefix is not read."""
+    backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_gguf_merges(reader, tokens, path),
+                          dropout=None, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    return backend
+
+
+# tokenizer.ggml.model -> (its backend, its add_bos_token when the file has none: llama.cpp adds BOS to a
+# SentencePiece vocabulary that does not say otherwise, and transformers follows it)
+_GGUF_TOKENIZERS = {"gpt2": (_byte_level_backend, False), "llama": (_sentencepiece_backend, True)}
+
+
+def _load_gguf_tokenizer(path: str) -> Tokenizer:
+    reader = open_gguf(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind not in _GGUF_TOKENIZERS:
+        raise ValueError(f"{path}: GGUF tokenizer type {kind!r} is not supported; supported: 'gpt2' "
+                         "(byte-level BPE), 'llama' (SentencePiece BPE); use the model's Hugging Face folder for "
+                         "its tokenizer instead")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError(f"{path}: GGUF lacks tokenizer.ggml.tokens")
+    token_types = gguf_field(reader, "tokenizer.ggml.token_type", [])
+    build, add_bos_default = _GGUF_TOKENIZERS[kind]
+    backend = build(reader, tokens, path)
+
+    # In a byte-level vocabulary a control token spelled outside the byte alphabet is a llama.cpp mislabel;
+    # adding it would grow the vocabulary past the model's, so it is skipped (as transformers does).
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
+    control = [AddedToken(t, normalized=False, special=True) for t, t_type in zip(tokens, token_types)
+               if t_type == _CONTROL and (alphabet is None or set(t) <= alphabet)]
     if control:
         backend.add_special_tokens(control)
     vocab = backend.get_vocab()
-    user_defined = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
-                    if kind == _USER_DEFINED and t in vocab]
+    user_defined = [AddedToken(t, normalized=False, special=False) for t, t_type in zip(tokens, token_types)
+                    if t_type == _USER_DEFINED and t in vocab]
     if user_defined:
         backend.add_tokens(user_defined)
 
@@ -215,7 +262,7 @@ def _load_gguf_tokenizer(path: str) -> Tokenizer:
     if new_special:
         backend.add_tokens([AddedToken(t, special=True) for t in new_special])
     _set_bos_eos(backend, special["bos_token"], special["eos_token"],
-                 bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+                 bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
                  bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False)))
     return Tokenizer(backend, special, gguf_eos_ids(reader), gguf_field(reader, "tokenizer.chat_template"))
 
