@@ -65,11 +65,11 @@ def prepack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
 
 def cpu_quant_linear(x: torch.Tensor, w: CpuPackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T + bias for x [..., K] in w.dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if w.bits == 8:
         y = torch._weight_int8pack_mm(x2, w.weight, w.scales)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x2, w.weight, w.group, w.scales)
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])

@@ -45,12 +45,11 @@ _slots, _decode, _rotary = _StepMemo(), _StepMemo(), _StepMemo()
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter this step's keys and values into their cache slots (quantized for fp8/int8 caches)."""
-    num_blocks, block_size = k_cache.shape[:2]
     valid = _slots.get((slot_mapping,), lambda: None if bool((slot_mapping >= 0).all()) else slot_mapping >= 0)
     if valid is not None:
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = to_kv_cache(k, k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = to_kv_cache(v, v_cache.dtype)
+    k_cache.flatten(0, 1).index_put_((slot_mapping,), to_kv_cache(k, k_cache.dtype))
+    v_cache.flatten(0, 1).index_put_((slot_mapping,), to_kv_cache(v, v_cache.dtype))
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -137,7 +136,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     cos, sin = _rotary.get((positions, cos_sin_cache, q.dtype), rows)
     qk = torch.cat((q, k), dim=1)
     qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
-    return qk.split([q.shape[1], k.shape[1]], dim=1)
+    return qk.split_with_sizes([q.shape[1], k.shape[1]], dim=1)
 
 
 def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

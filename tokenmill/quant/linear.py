@@ -126,12 +126,13 @@ class QuantLinear(Linear):
     def _cpu_kernel_weight(self, x: torch.Tensor) -> CpuPackedWeight | None:
         """The weight in the CPU kernel's layout for x's dtype, prepared at first use (it holds a second copy
         of the packed weight); None where no CPU kernel fits and the twin runs."""
-        if x.device.type != "cpu" or not supports(self.fmt.bits, self.group, self.in_features, self.out_features,
-                                                  x.dtype):
+        packed = self._cpu_packed
+        if packed is not None and packed.dtype is x.dtype and x.is_cpu:
+            return packed
+        if not x.is_cpu or not supports(self.fmt.bits, self.group, self.in_features, self.out_features, x.dtype):
             return None
-        if self._cpu_packed is None or self._cpu_packed.dtype != x.dtype:
-            self._cpu_packed = prepack(self.weight.data, self.weight_scale, self.weight_min, self.in_features,
-                                       self.group, x.dtype)
+        self._cpu_packed = prepack(self.weight.data, self.weight_scale, self.weight_min, self.in_features, self.group,
+                                   x.dtype)
         return self._cpu_packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
