@@ -163,3 +163,28 @@ def test_decode_row_does_not_depend_on_batch_mates() -> None:
             assert torch.equal(alone, both[i:i + 1])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_short_query_runs_attend_like_decode() -> None:
+    """Speculative verification (a few query tokens per sequence) gives each token bit for bit what decoding it
+    alone gives, so verified greedy tokens cannot differ from plain decoding's (one thread, as CI runs; float32
+    shows the last bits that bf16 output would mostly round away)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        case = make_case([40, 97, 12], [5, 1, 3], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                         dtype=torch.float32, device="cpu", garbage=0.0)
+        out = torch_ref.paged_attention(case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                                        case.block_tables, case.scale, case.max_query_len)
+        starts = case.query_start_loc.tolist()
+        for i, seq_len in enumerate(case.seq_lens.tolist()):
+            for j in range(starts[i], starts[i + 1]):
+                position = seq_len - (starts[i + 1] - j)
+                alone = torch_ref.paged_attention(case.q[j:j + 1], case.k_cache, case.v_cache,
+                                                  torch.tensor([0, 1], dtype=torch.int32),
+                                                  torch.tensor([position + 1], dtype=torch.int32),
+                                                  case.block_tables[i:i + 1], case.scale, 1)
+                assert torch.equal(out[j:j + 1], alone)
+        assert rel_err(out, reference_attention(case)) < 1e-5
+    finally:
+        torch.set_num_threads(threads)

@@ -50,3 +50,15 @@ def test_stop_string_inside_accepted_tokens(plain, prompt_ids):
             final = o.outputs[0]
     assert final.text == want.text == streamed and stop not in final.text
     assert final.token_ids == want.token_ids and final.finish_reason == want.finish_reason == "stop"
+
+
+def test_greedy_identical_on_the_cpu_fast_path(prompt_ids):
+    """bf16 over the GGUF's packed INT4 weights: verification rows attend exactly as decode rows do, so even where
+    bf16 rounding makes near-ties, speculative greedy output is plain greedy output (the chat-style prompts
+    here flipped a token before verification went row by row)."""
+    fast = dict(dtype="bfloat16", quantization="gguf")
+    params = SamplingParams(temperature=0, max_tokens=64)
+    want = [o.outputs[0].token_ids for o in LLM(**fast).generate(prompt_ids, params)]
+    got = [o.outputs[0].token_ids for o in LLM(**fast, speculative="ngram", num_speculative_tokens=4)
+           .generate(prompt_ids, params)]
+    assert got == want

@@ -39,7 +39,7 @@ class _StepMemo:
         return self.value
 
 
-_slots, _decode, _rotary = _StepMemo(), _StepMemo(), _StepMemo()
+_slots, _decode, _rotary, _rows = _StepMemo(), _StepMemo(), _StepMemo(), _StepMemo()
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -64,6 +64,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of every query token over its sequence's paged context."""
     if max_query_len == 1:
         return _paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    if max_query_len <= ROW_WISE_MAX_QUERY:
+        row_seq_lens, row_tables = _rows.get((query_start_loc, seq_lens, block_tables),
+                                             lambda: _query_rows(query_start_loc, seq_lens, block_tables))
+        return _paged_decode(q, k_cache, v_cache, row_seq_lens, row_tables, scale)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -82,6 +86,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 KV_PAD = 64   # key counts are padded (masked) to a multiple of this; see _attend
+
+
+ROW_WISE_MAX_QUERY = 8   # query runs this short (speculative verification) attend row by row, as decode does
+
+
+def _query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token as a decode row of its own: its context length (its position + 1) and its sequence's
+    block table. A verified draft token then gets exactly the arithmetic it would get when decoded alone."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens), device=query_lens.device), query_lens)
+    offset = torch.arange(int(query_start_loc[-1]), device=query_lens.device) - query_start_loc[seq_of_row]
+    row_seq_lens = seq_lens[seq_of_row] - query_lens[seq_of_row] + offset + 1
+    return row_seq_lens, block_tables[seq_of_row]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -93,11 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-adaptive", action="store_true", help="always propose K tokens (the raw mechanism)")
+    p.add_argument("--dtype", default="float32", help="both engines' dtype (default: %(default)s)")
+    p.add_argument("--quantization", default=None, help="both engines' weight quantization, e.g. gguf")
     ns = p.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    engines = {"plain": LLM(ns.model, dtype="float32"),
-               "spec": LLM(ns.model, dtype="float32", speculative=ns.speculative,
+    common = dict(dtype=ns.dtype, quantization=ns.quantization)
+    engines = {"plain": LLM(ns.model, **common),
+               "spec": LLM(ns.model, **common, speculative=ns.speculative,
                            num_speculative_tokens=ns.num_speculative_tokens)}
     engines["spec"].llm_engine.spec.adaptive = not ns.no_adaptive
     params = SamplingParams(temperature=0, max_tokens=ns.max_tokens)
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     for llm in engines.values():
         llm.generate(encode(llm, ["Hello!"]), warm)
     print(f"speculative={ns.speculative} K={ns.num_speculative_tokens} adaptive={not ns.no_adaptive} "
-          f"threads={torch.get_num_threads()} max_tokens={ns.max_tokens} reps={ns.reps}")
+          f"dtype={ns.dtype} quantization={ns.quantization} threads={torch.get_num_threads()} "
+          f"max_tokens={ns.max_tokens} reps={ns.reps}")
     print(f"{'workload':<10} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accept':>7} "
           f"{'mean len':>8}  identical")
     for name, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
