@@ -45,7 +45,11 @@ _slots, _decode, _rotary, _rows = _StepMemo(), _StepMemo(), _StepMemo(), _StepMe
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter this step's keys and values into their cache slots (quantized for fp8/int8 caches)."""
-    valid = _slots.get((slot_mapping,), lambda: None if bool((slot_mapping >= 0).all()) else slot_mapping >= 0)
+    def padding_mask() -> torch.Tensor | None:
+        valid = slot_mapping >= 0
+        return None if bool(valid.all()) else valid
+
+    valid = _slots.get((slot_mapping,), padding_mask)
     if valid is not None:
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
     k_cache.flatten(0, 1).index_put_((slot_mapping,), to_kv_cache(k, k_cache.dtype))
@@ -53,9 +57,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[n_blocks, block_size, heads, dim] rows of the cache, int8 ones dequantized (index_select with int64
-    ids: much faster on the CPU than advanced indexing with int32)."""
-    return from_kv_cache(cache.index_select(0, block_ids.reshape(-1).long()))
+    """[n_blocks, block_size, heads, dim] rows of the cache for int64 block ids (index_select with int64 ids is
+    much faster on the CPU than advanced indexing with int32), int8 ones dequantized."""
+    return from_kv_cache(cache.index_select(0, block_ids))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -76,9 +80,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         s, e = starts[i], starts[i + 1]
         if e == s:
             continue
-        nb = (seq_len + block_size - 1) // block_size
-        k = _gather_blocks(k_cache, block_tables[i, :nb]).flatten(0, 1)[:seq_len]
-        v = _gather_blocks(v_cache, block_tables[i, :nb]).flatten(0, 1)[:seq_len]
+        ids = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
+        k = _gather_blocks(k_cache, ids).flatten(0, 1)[:seq_len]
+        v = _gather_blocks(v_cache, ids).flatten(0, 1)[:seq_len]
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         out[s:e] = _attend(q[s:e].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask.unsqueeze(0), scale)[0]
@@ -135,8 +139,8 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return tables, mask[:, None, None, :], nb * block_size
 
     tables, mask, num_keys = _decode.get((seq_lens, block_tables), layout)
-    k = from_kv_cache(k_cache.index_select(0, tables)).view(num_seqs, num_keys, k_cache.shape[2], -1)
-    v = from_kv_cache(v_cache.index_select(0, tables)).view(num_seqs, num_keys, v_cache.shape[2], -1)
+    k = _gather_blocks(k_cache, tables).view(num_seqs, num_keys, k_cache.shape[2], -1)
+    v = _gather_blocks(v_cache, tables).view(num_seqs, num_keys, v_cache.shape[2], -1)
     o = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
                                        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[2])
     return o.squeeze(2).to(q.dtype)
