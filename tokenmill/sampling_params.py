@@ -1,7 +1,16 @@
 """SamplingParams: what a request asks of the sampler, validated with clear errors."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine reports a request: every step (the text so far and the new delta, for streaming), or only
+    once it has finished (offline generate, which saves building an output per request per step)."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -23,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +81,8 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):
             self._fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            self._fail("output_kind", self.output_kind, "a RequestOutputKind")
 
     @property
     def greedy(self) -> bool:

@@ -22,7 +22,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels import KERNELS_ENV
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = list[int]
 Column = tuple[str, str]  # (result key, table header)
@@ -60,7 +60,8 @@ def generate(engine: LLMEngine, prompts: Sequence[Prompt], params: SamplingParam
              ) -> list[RequestOutput]:
     """Add every prompt at once and step until all are finished (continuous batching); outputs in prompt order."""
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    ids = [engine.add_request(None, p, dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
+           for p, sp in zip(prompts, params)]
     done: dict[str, RequestOutput] = {}
     while len(done) < len(ids):
         for out in engine.step():

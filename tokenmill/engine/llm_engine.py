@@ -25,7 +25,7 @@ from tokenmill.model.loader import load_model, load_model_config, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.spec.draft import load_draft
 from tokenmill.spec.rejection_sampler import VerifyOutput
 from tokenmill.spec.speculator import SpecStats, Speculator
@@ -268,6 +268,9 @@ class LLMEngine:
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
         for rid, group in self._pending.items():
+            finished = all(c.is_finished for c in group.children)
+            if not finished and group.children[0].sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             completions = []
             for i, c in enumerate(group.children):
                 text = group.detokenizers[i].streamable_text() if group.detokenizers else ""
@@ -279,7 +282,6 @@ class LLMEngine:
                     index=i, text=text, token_ids=c.output_token_ids,
                     finish_reason=c.status.value if c.is_finished else None, stop_reason=c.stop_reason,
                     logprobs=c.logprobs, delta_text=delta_text, delta_token_ids=delta_ids))
-            finished = all(c.is_finished for c in group.children)
             first = group.children[0]
             outputs.append(RequestOutput(rid, group.prompt, group.prompt_token_ids, completions, finished,
                                          first.metrics, first.num_cached_tokens,

@@ -1,6 +1,7 @@
 """LLM: the offline Python API (vLLM's names): generate and chat over a batch of prompts."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -8,7 +9,7 @@ from tqdm import tqdm
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -35,6 +36,7 @@ class LLM:
         engine = self.llm_engine
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
+            sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
             ids.append(engine.add_request(None, p, sp, priority=priority[i] if priority else 0))
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 32)
 

@@ -30,7 +30,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    table_cols, num_heads, num_parts,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, TILE_N: tl.constexpr,
-                   ONE_PARTITION: tl.constexpr, PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head attend to the
     partition's tokens, so each K/V tile is loaded once and fed to one [GROUP_PAD, TILE_N] dot."""
     seq = tl.program_id(0)
@@ -72,7 +72,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    if ONE_PARTITION:
+    if ctx <= PARTITION:  # the whole context in this program: no partials, no reduce
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -88,10 +88,13 @@ def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_len
                           stride_ot, stride_oh, num_heads, num_parts,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr,
                           P_PAD: tl.constexpr, P_CHUNK: tl.constexpr):
-    """Merge the partitions of one (sequence, head): rescale each partial sum to the global max."""
+    """Merge the partitions of one (sequence, head): rescale each partial sum to the global max. A context of
+    one partition was written whole by the decode kernel."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     n_valid = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)
+    if n_valid <= 1:
+        return
     base = (seq * num_heads + head).to(tl.int64) * num_parts
     offs_p = tl.arange(0, P_PAD)
     m_all = tl.load(part_m_ptr + base + offs_p, mask=offs_p < n_valid, other=float("-inf"))
@@ -220,7 +223,8 @@ def _num_sms(device_index: int) -> int:
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Split each context into fixed partitions (count from static shapes only: graph-capturable),
-    attend per partition, then merge with a logsumexp-weighted reduce unless there is one partition."""
+    attend per partition, then merge with a logsumexp-weighted reduce; a sequence whose context fits one
+    partition skips both the partial buffers and the reduce, whatever the batch's table width."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -245,7 +249,7 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_tables.shape[1],
         num_heads, num_parts,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, PARTITION=partition, TILE_N=tile_n, ONE_PARTITION=one,
+        BLOCK_SIZE=block_size, PARTITION=partition, TILE_N=tile_n,
         PRECISION=_precision(q.dtype), num_warps=DECODE_CFG["num_warps"], num_stages=DECODE_CFG["num_stages"])
     if not one:
         p_pad = triton.next_power_of_2(num_parts)

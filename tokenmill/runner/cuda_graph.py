@@ -1,16 +1,22 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured once with padding, all
-sharing one memory pool. A decode step of b requests replays the smallest bucket >= b."""
+sharing one memory pool. A decode step of b requests replays the smallest bucket >= b.
+
+The graphs read their inputs from one device buffer with a fixed layout (token ids, positions, slots, context
+lengths, block tables), filled by a single copy from its pinned host twin, so a step costs one copy and one
+graph launch of host time."""
 from __future__ import annotations
 
 import bisect
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tokenmill.layers.attention import AttentionMetadata, forward_context
+from tokenmill.runner.staging import StagingBuffer
 
 if TYPE_CHECKING:
-    from tokenmill.runner.model_runner import ModelRunner
+    from tokenmill.runner.model_runner import ModelInput, ModelRunner
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -23,54 +29,77 @@ class CUDAGraphRunner:
     def __init__(self, runner: "ModelRunner", max_num_seqs: int) -> None:
         self.runner = runner
         self.buckets = batch_buckets(max_num_seqs)
-        n, dev = self.buckets[-1], runner.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, runner.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        n, width = self.buckets[-1], runner.max_blocks_per_seq
+        # Layout of the input buffer; the block tables come last so a bucket copies only its own rows.
+        self.layout = {"input_ids": (0, torch.int64, (n,)), "positions": (8 * n, torch.int64, (n,)),
+                       "slot_mapping": (16 * n, torch.int64, (n,)), "seq_lens": (24 * n, torch.int32, (n,)),
+                       "block_tables": (24 * n + 8 * -(-n // 2), torch.int32, (n, width))}
+        tables_at = self.layout["block_tables"][0]
+        self.staging = StagingBuffer(runner.device, tables_at + 4 * n * width)
+        self.tables_at, self.row_bytes = tables_at, 4 * width
+        self.host = {k: self.staging.host_np[o: o + int(np.prod(shape)) * dt.itemsize].view(_NP[dt]).reshape(shape)
+                     for k, (o, dt, shape) in self.layout.items()}
+        self.dev = {k: self.staging.view(o, dt, shape) for k, (o, dt, shape) in self.layout.items()}
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=runner.device)
+        self._pad(0, n)
+        self.staging.copy(self.staging.host.numel())
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self._capture_all()
 
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start..end of the host buffer become padding: token 0 at position 0, no cache write, context 1."""
+        h = self.host
+        h["input_ids"][start:end] = 0
+        h["positions"][start:end] = 0
+        h["slot_mapping"][start:end] = -1
+        h["seq_lens"][start:end] = 1
+        h["block_tables"][start:end] = 0
+
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[: b + 1],
-                                 seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+        d = self.dev
+        return AttentionMetadata(slot_mapping=d["slot_mapping"][:b], query_start_loc=self.query_start_loc[: b + 1],
+                                 seq_lens=d["seq_lens"][:b], block_tables=d["block_tables"][:b],
                                  max_query_len=1, max_seq_len=self.runner.max_model_len)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         model = self.runner.model
+        ids, positions = self.dev["input_ids"], self.dev["positions"]
         for b in reversed(self.buckets):
             meta = self._meta(b)
             with forward_context(meta):
-                model(self.input_ids[:b], self.positions[:b])  # warm-up: compiles kernels for this shape
+                model(ids[:b], positions[:b])  # warm-up: compiles kernels for this shape
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[b] = model(self.input_ids[:b], self.positions[:b])
+                    self.outputs[b] = model(ids[:b], positions[:b])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
 
-    def fits(self, num_seqs: int, meta: AttentionMetadata) -> bool:
-        return num_seqs <= self.buckets[-1] and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+    def fits(self, batch: "ModelInput") -> bool:
+        return len(batch.seq_lens) <= self.buckets[-1] and batch.block_tables.shape[1] <= self.host["block_tables"].shape[1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = input_ids.shape[0]
+    def replay(self, batch: "ModelInput") -> torch.Tensor:
+        """Hidden states of the batch's rows (a view into the graph's output, valid until the next replay)."""
+        n = len(batch.seq_lens)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:b] = -1
-        self.seq_lens[:n] = meta.seq_lens
-        self.seq_lens[n:b] = 1
-        w = meta.block_tables.shape[1]
-        self.block_tables[:n, :w] = meta.block_tables
-        self.block_tables[:n, w:] = 0
-        self.block_tables[n:b] = 0
+        w = batch.block_tables.shape[1]
+        self.staging.wait_host_free()
+        h = self.host
+        h["input_ids"][:n] = batch.input_ids
+        h["positions"][:n] = batch.positions
+        h["slot_mapping"][:n] = batch.slot_mapping
+        h["seq_lens"][:n] = batch.seq_lens
+        h["block_tables"][:n, :w] = batch.block_tables
+        h["block_tables"][:n, w:] = 0
+        self._pad(n, b)
+        self.staging.copy(self.tables_at + b * self.row_bytes)
         self.graphs[b].replay()
-        return self.outputs[b]
+        return self.outputs[b][:n]
+
+
+_NP = {torch.int64: np.int64, torch.int32: np.int32}

@@ -4,6 +4,7 @@ and samples. With tensor parallelism the host-side batch is what rank 0 sends th
 the same forward (engine/tp_worker.py)."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from tokenmill.layers.linear import kv_heads_per_rank
 from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare_fp8_kv
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput
+from tokenmill.runner.staging import StagingBuffer
 from tokenmill.spec.rejection_sampler import RejectionSampler, VerifyOutput
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
@@ -64,6 +66,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, device, args.seed)
         self.rejection_sampler = RejectionSampler(self.sampler) if args.speculative else None
+        self.staging = StagingBuffer(device) if device.type == "cuda" else None
         self.graphs: CUDAGraphRunner | None = None
         if device.type == "cuda" and not args.enforce_eager:
             self.graphs = CUDAGraphRunner(self, args.max_num_seqs)
@@ -125,32 +128,39 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
     def prepare_input(self, out: SchedulerOutput, block_ids: list[list[int]]) -> ModelInput:
         """The flat batch of a step; sample_rows are the rows whose logits are sampled (with draft tokens: the
-        last row and every draft row)."""
-        bs = self.block_size
-        ids, pos, slots, qsl, seq_lens, sample_rows = [], [], [], [0], [], []
-        for s, blocks in zip(out.scheduled, block_ids):
+        last row and every draft row). Per request only the token ids are gathered in Python; positions, slots
+        and tables are built for the whole batch at once, since at a few hundred requests per step this is host
+        time the device waits for."""
+        sched = out.scheduled
+        n = len(sched)
+        ids: list[int] = []
+        for s in sched:
             r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            ids.extend(r.all_token_ids[start:end])
+            ids += r.all_token_ids[r.num_computed_tokens: r.num_computed_tokens + s.num_new_tokens]
             if s.num_spec_tokens:
-                ids.extend(r.spec_token_ids)
-            p = np.arange(start, end)
-            pos.append(p)
-            slots.append(np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            if s.samples:
-                sample_rows.extend(range(qsl[-1] - 1 - s.num_spec_tokens, qsl[-1]))
-        max_blocks = max(len(b) for b in block_ids)
-        tables = np.zeros((len(block_ids), max_blocks), dtype=np.int32)
-        for i, b in enumerate(block_ids):
-            tables[i, : len(b)] = b
+                ids += r.spec_token_ids
+        starts = np.fromiter((s.request.num_computed_tokens for s in sched), np.int64, n)
+        num_new = np.fromiter((s.num_new_tokens for s in sched), np.int64, n)
+        num_spec = np.fromiter((s.num_spec_tokens for s in sched), np.int64, n)
+        samples = np.fromiter((s.samples for s in sched), np.bool_, n)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        total = int(qsl[-1])
+        positions = np.repeat(starts - qsl[:-1], num_new) + np.arange(total)
+        lens = np.fromiter(map(len, block_ids), np.int64, n)
+        tables = np.zeros((n, int(lens.max())), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_ids), np.int32, int(lens.sum()))
+        bs = self.block_size
+        slots = tables[np.repeat(np.arange(n), num_new), positions // bs].astype(np.int64) * bs + positions % bs
+        counts = np.where(samples, num_spec + 1, 0)
+        first = np.repeat(qsl[1:] - 1 - num_spec, counts)
+        sample_rows = first + np.arange(len(first)) - np.repeat(np.cumsum(counts) - counts, counts)
+        seq_lens = (starts + num_new).astype(np.int32)
         return ModelInput(
-            input_ids=np.asarray(ids, dtype=np.int64), positions=np.concatenate(pos),
-            slot_mapping=np.concatenate(slots), query_start_loc=np.asarray(qsl, dtype=np.int32),
-            seq_lens=np.asarray(seq_lens, dtype=np.int32), block_tables=tables,
-            sample_rows=np.asarray(sample_rows, dtype=np.int64),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens))
+            input_ids=np.asarray(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
+            query_start_loc=qsl.astype(np.int32), seq_lens=seq_lens, block_tables=tables, sample_rows=sample_rows,
+            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SamplerOutput | VerifyOutput:
@@ -177,21 +187,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelInput) -> torch.Tensor | None:
         """The forward of one flat batch; logits of its sample rows, None if there are none."""
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(batch.query_start_loc).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(batch.seq_lens).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(batch.block_tables).to(dev, non_blocking=True),
-            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
-        input_ids = torch.from_numpy(batch.input_ids).to(dev, non_blocking=True)
-        positions = torch.from_numpy(batch.positions).to(dev, non_blocking=True)
         num_seqs = len(batch.seq_lens)
-        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(num_seqs, meta):
-            hidden = self.graphs.replay(input_ids, positions, meta)[:num_seqs]
+        if self.graphs is not None and batch.max_query_len == 1 and self.graphs.fits(batch):
+            hidden = self.graphs.replay(batch)
+            sample_rows = None if len(batch.sample_rows) == num_seqs else self._to_device([batch.sample_rows])[0]
         else:
+            ids, positions, slots, qsl, seq_lens, tables, sample_rows = self._to_device([
+                batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
+                batch.block_tables, batch.sample_rows])
+            meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+                                     max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
             with forward_context(meta):
-                hidden = self.model(input_ids, positions)
+                hidden = self.model(ids, positions)
         if not len(batch.sample_rows):
             return None
-        return self.model.compute_logits(hidden[torch.from_numpy(batch.sample_rows).to(dev, non_blocking=True)])
+        return self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
+
+    def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """On the CPU the arrays themselves; on a GPU, one copy through the staging buffer."""
+        if self.staging is None:
+            return [torch.from_numpy(a) for a in arrays]
+        return self.staging.to_device(arrays)
