@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # GPU check on a CUDA machine: kernel, quantization and engine tests, then kernel and engine benchmarks (Llama-3-8B
 # shape with random weights: bf16, INT8, INT4; transformers' generate in the same run). One section per step, a
-# summary last. QUICK=1 stops after the tests.
+# summary last. SECTIONS picks what runs (default: tests profile bench): tests (GPU tests), profile (where a decode
+# step's time goes, verify-step cost), bench (kernel, quantization and engine benchmarks), tp (2 GPUs: TP=2 against
+# TP=1, batch-1 speed at TP=1 and 2). SKIP lists step names to leave
+# out ("quant tests,kernel bench"). A step stops after STEP_TIMEOUT s.
 # Installs nothing but the wheels found in .whl/ (the GPU machine has no registry access).
 #   OUT_DIR=bench_results scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-bench_results}
 PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 mkdir -p "$OUT_DIR"
 STEPS=()
 FAILED=0
 
-step() {  # step NAME CMD...: run one section, record its status and duration
+SECTIONS=${SECTIONS:-tests profile bench}
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+
+step() {  # step NAME CMD...: run one step, record its status and duration
     local name=$1 start=$SECONDS rc
     shift
+    if [[ ",${SKIP:-}," == *",$name,"* ]]; then
+        STEPS+=("$(printf '%-16s %-8s' "$name" skipped)")
+        return
+    fi
     echo "=== $name ==="
-    "$@"
+    timeout -s ABRT "$STEP_TIMEOUT" "$@"  # with PYTHONFAULTHANDLER set, a hung step prints where it hangs
     rc=$?
     [ "$rc" -eq 0 ] || FAILED=1
     STEPS+=("$(printf '%-16s %-8s %5ss' "$name" "$([ "$rc" -eq 0 ] && echo ok || echo "FAIL $rc")" $((SECONDS - start)))")
@@ -31,21 +41,38 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 step "env" "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-step "kernel tests" "$PY" -m pytest tests/kernels -x -q
-step "quant tests" "$PY" -m pytest tests/quant/test_triton_quant.py -x -q
-step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -q
-if [ "${QUICK:-0}" != 1 ]; then
-    DUMMY=(--load-format dummy --model-preset llama-3-8b)
+section() { [[ " $SECTIONS " == *" $1 "* ]]; }
+DUMMY=(--load-format dummy --model-preset llama-3-8b)
+if section tests; then
+    step "kernel tests" "$PY" -m pytest tests/kernels -x -q
+    step "quant tests" "$PY" -m pytest tests/quant/test_triton_quant.py -x -q
+    step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -q
+fi
+if section profile; then
+    step "profile bf16" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --batch-sizes 1 64 256 \
+        --out "$OUT_DIR/profile_bf16.json"
+    for q in int8 int4; do
+        step "profile $q" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --quantization $q --batch-sizes 1 \
+            --max-num-seqs 8 --verify-query-lens --out "$OUT_DIR/profile_$q.json"
+    done
+fi
+if section tp; then  # a hang becomes an error with a traceback; NCCL says what it waits for
+    export TOKENMILL_DIST_TIMEOUT_S=${TOKENMILL_DIST_TIMEOUT_S:-90} TOKENMILL_DIST_JOIN_TIMEOUT_S=${TOKENMILL_DIST_JOIN_TIMEOUT_S:-90} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    step "tp tests" "$PY" -m pytest tests/engine/test_tensor_parallel.py -x -q -k gpus
+    step "latency tp" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
+        --sweep tensor_parallel_size=1,2 --out "$OUT_DIR/latency_tp.json"
+fi
+if section bench; then
     step "kernel bench" "$PY" -m tokenmill.kernels.bench_kernels --out "$OUT_DIR/kernels.json"
     step "quant bench" "$PY" -m tokenmill.quant.bench --out "$OUT_DIR/quant_kernels.json"
     for q in none int8 int4; do
-        step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --input-len 32 --output-len 128 \
-            --num-iters 3 $([ $q = none ] || echo --quantization $q) --out "$OUT_DIR/latency_$q.json"
+        step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
+            $([ $q = none ] || echo --quantization $q) --out "$OUT_DIR/latency_$q.json"
     done
     step "compare-hf" "$PY" -m tokenmill.cli bench compare-hf "${DUMMY[@]}" --max-tokens 128 --repeats 3 \
-        --out "$OUT_DIR/compare_hf.json"
-    step "throughput" "$PY" -m tokenmill.cli bench throughput --load-format dummy --model-preset qwen3-0.6b \
-        --temperatures 0.6 --out "$OUT_DIR/throughput.json"
+        --max-num-seqs 8 --out "$OUT_DIR/compare_hf.json"
+    step "throughput" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 \
+        --sweep max_num_batched_tokens=2048,8192 --out "$OUT_DIR/throughput.json"
 fi
 
 echo "=== summary ==="

@@ -121,3 +121,16 @@ def test_kernel_backend_env(monkeypatch):
     monkeypatch.setenv("TOKENMILL_KERNELS", "cuda")
     with pytest.raises(ValueError, match="TOKENMILL_KERNELS"):
         get_ops("cpu")
+
+
+def test_profile(tmp_path) -> None:
+    """Host phases nest inside the step, every profiled step is timed, and a verify forward of more query tokens
+    is reported against the one-token forward."""
+    r = run_bench(tmp_path, "profile", "--batch-sizes", "1", "3", "--num-steps", "4", "--input-len", "10",
+                  "--verify-context", "40", "--verify-query-lens", "1", "3")
+    assert [row["batch_size"] for row in r["decode"]] == [1, 3]
+    for row in r["decode"]:
+        assert 0 < row["forward_ms"] < row["execute_ms"] <= row["step_ms"] <= row["wall_ms"] * 1.01
+        assert 0 < row["schedule_ms"] < row["step_ms"] and row["prepare_input_ms"] < row["execute_ms"]
+    assert [v["query_len"] for v in r["verify"]] == [1, 3] and r["verify"][0]["x_one_token"] == 1.0
+    assert all(v["ms"] > 0 for v in r["verify"])

@@ -1,5 +1,7 @@
 """The engine on CUDA (skipped without a GPU): Triton kernels and CUDA graphs give the CPU engine's
 greedy tokens on a small dummy model in float32, and bf16 stays close."""
+import gc
+
 import pytest
 import torch
 
@@ -25,7 +27,17 @@ def model_dir(tmp_path_factory):
 
 def tokens(model_dir, **kw):
     llm = LLM(model=model_dir, skip_tokenizer_init=True, **kw)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    del llm
+    release()
+    return out
+
+
+def release():
+    """Call after dropping an engine: its KV pool must be gone before the next one sizes its own from what the
+    GPU has free."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +51,13 @@ def test_gpu_greedy_equals_cpu(model_dir, cpu_tokens, kw):
     assert tokens(model_dir, device="cuda", dtype="float32", **kw) == cpu_tokens
 
 
-def test_cuda_graph_used_for_decode_and_matches_eager():
-    eager = tokens(device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8)
-    llm = LLM(load_format="dummy", model_preset="tiny-llama", device="cuda", dtype="bfloat16", max_num_seqs=8)
+def test_cuda_graph_used_for_decode_and_matches_eager(model_dir):
+    eager = tokens(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=8)
     assert llm.llm_engine.runner.graphs is not None and 8 in llm.llm_engine.runner.graphs.graphs
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    del llm
+    release()
     assert graphed == eager
 
 
@@ -52,10 +66,10 @@ def test_bf16_logprobs_close_to_float32():
     ref = LLM(load_format="dummy", model_preset="qwen3-0.6b", device="cuda", dtype="float32", max_model_len=512)
     lp32 = [o.outputs[0].logprobs[0] for o in ref.generate(PROMPTS, params)]
     del ref
-    torch.cuda.empty_cache()
+    release()
     llm = LLM(load_format="dummy", model_preset="qwen3-0.6b", device="cuda", dtype="bfloat16", max_model_len=512)
     lp16 = [o.outputs[0].logprobs[0] for o in llm.generate(PROMPTS, params)]
-    for a, b in zip(lp32, lp16):
-        for tid, v in a.top.items():
-            if tid in b.top:
-                assert abs(v - b.top[tid]) < 0.1
+    # bf16 rounding through 28 random layers moves logprobs near -10 by ~1% (0.13 measured on an H200); a wrong
+    # kernel moves them by whole units.
+    diffs = [abs(v - b.top[tid]) for a, b in zip(lp32, lp16) for tid, v in a.top.items() if tid in b.top]
+    assert len(diffs) >= len(PROMPTS) and max(diffs) < 0.3

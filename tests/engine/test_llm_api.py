@@ -143,3 +143,24 @@ def test_cli_chat_repl_is_multi_turn():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "Rome" in r.stdout
+
+
+def test_final_only_requests_are_reported_once(llm):
+    """A FINAL_ONLY request (what LLM.generate sends) gives one output, at the end, equal to the streamed one's last;
+    a streaming request beside it still reports every step."""
+    from tokenmill.sampling_params import RequestOutputKind
+    engine = llm.llm_engine
+    ids = prompt(llm, "Name three colors.")
+    engine.add_request("final", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                    output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("stream", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    seen: dict[str, list] = {"final": [], "stream": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert len(seen["stream"]) == 6 and seen["stream"][-1].finished
+    assert seen["final"][0].outputs[0].token_ids == seen["stream"][-1].outputs[0].token_ids
+    assert seen["final"][0].outputs[0].text == seen["stream"][-1].outputs[0].text
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="final")

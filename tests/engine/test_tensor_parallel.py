@@ -218,3 +218,42 @@ def test_second_node_runs_tokenmill_worker(end: str, tiny_dirs: dict[str, str], 
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, signal.SIGKILL)
+
+
+def test_dummy_weights_are_the_same_model_at_any_tp() -> None:
+    """Random weights are drawn whole and sliced per rank, so benchmarks and GPU checks can compare TP=2 with TP=1."""
+    kw = dict(load_format="dummy", model_preset="tiny-llama", **ENGINE)
+    ref = LLM(**kw)
+    want = tokens(ref, PROMPTS)
+    del ref
+    gc.collect()
+    llm = LLM(tensor_parallel_size=2, **kw)
+    assert tokens(llm, PROMPTS) == want
+    llm.llm_engine.shutdown()
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("model", ["tiny", "llama-3-8b"])
+def test_tp2_equals_tp1_on_gpus(model: str, tiny_dirs: dict[str, str]) -> None:
+    """NCCL, the Triton kernels and CUDA graphs (collectives captured inside) give TP=1's greedy tokens: on a
+    tiny checkpoint, and on random weights of the Llama-3-8B shape in float32."""
+    if model == "tiny":
+        kw, prompts = dict(model=tiny_dirs["llama"], **{**ENGINE, "kv_cache_memory": 1 << 26}), PROMPTS
+    else:
+        kw = dict(load_format="dummy", model_preset=model, skip_tokenizer_init=True, dtype="float32",
+                  kv_cache_memory=4 << 30)
+        prompts = [[(31 * i + 17 * j) % 120_000 + 5 for j in range(16 + 40 * i)] for i in range(4)]
+    kw.update(device="cuda", max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = LLM(**kw)
+    want = tokens(ref, prompts, params)
+    del ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(tensor_parallel_size=2, **kw)
+    assert llm.llm_engine.runner.graphs is not None
+    assert tokens(llm, prompts, params) == want
+    llm.llm_engine.shutdown()

@@ -15,6 +15,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.vocab_start, self.vocab_end = shard_range(vocab_size)
         self.sharded = self.vocab_end - self.vocab_start != vocab_size
+        self.checkpoint_shapes: dict[int | None, tuple[int, int]] = {None: (vocab_size, hidden_size)}
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, hidden_size), requires_grad=False)
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:

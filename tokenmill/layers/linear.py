@@ -18,6 +18,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.checkpoint_shapes: dict[int | None, tuple[int, int]] = {None: (out_features, in_features)}
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
@@ -45,6 +46,7 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         self.row_range = shard_range(out_features)
         super().__init__(in_features, self.row_range[1] - self.row_range[0], bias)
+        self.checkpoint_shapes = {None: (out_features, in_features)}
 
     def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
         start, end = self.row_range
@@ -57,6 +59,7 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         self.col_range = shard_range(in_features)
         super().__init__(self.col_range[1] - self.col_range[0], out_features, bias)
+        self.checkpoint_shapes = {None: (out_features, in_features)}
 
     def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
         start, end = self.col_range
@@ -78,6 +81,7 @@ class MergedLinear(Linear):
         super().__init__(in_features, sum(local_sizes), bias)
         self.output_sizes = local_sizes
         self.offsets = [sum(local_sizes[:i]) for i in range(len(local_sizes))]
+        self.checkpoint_shapes = {i: (n, in_features) for i, n in enumerate(output_sizes)}
 
     def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
         if shard is None:

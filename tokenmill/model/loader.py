@@ -3,6 +3,7 @@ model on its device in its dtype, and fill the weights (from the checkpoint, or 
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Iterator
 
 import torch
@@ -69,18 +70,20 @@ def _weights(model_path: str, fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Deterministic random weights: norms 1, biases 0, everything else uniform(-0.02, 0.02)."""
-    generators: dict[torch.device, torch.Generator] = {}
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm):
-                param.fill_(1.0)
-            elif name == "bias":
-                param.zero_()
-            else:
-                if param.device not in generators:
-                    generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-                param.uniform_(-DUMMY_INIT_RANGE, DUMMY_INIT_RANGE, generator=generators[param.device])
+    """Deterministic random weights: norms 1, biases 0, every matrix uniform(-0.02, 0.02). Each matrix is drawn
+    whole, as a checkpoint would hold it, from a generator seeded by its name, then loaded like a checkpoint
+    tensor: every tensor-parallel rank keeps its own slice of the same model, so TP=2 can be checked against TP=1."""
+    for module_name, module in model.named_modules():
+        if isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+            continue
+        if getattr(module, "bias", None) is not None:
+            module.bias.data.zero_()
+        for shard, shape in getattr(module, "checkpoint_shapes", {}).items():
+            weight = module.weight
+            gen = torch.Generator(weight.device).manual_seed(seed * 1_000_003 + zlib.crc32(f"{module_name}#{shard}".encode()))
+            full = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+            module.load_shard("weight", full.uniform_(-DUMMY_INIT_RANGE, DUMMY_INIT_RANGE, generator=gen), shard)
 
 
 def load_model(model_config: ModelConfig, model_path: str | None, load_format: str = "auto",

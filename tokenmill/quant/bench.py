@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
-from tokenmill.kernels.triton_quant import quant_linear
+from tokenmill.kernels.triton_quant import pick_config, quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
 FORMATS = ("int4-g128", "int4-g32", "int8")
@@ -34,6 +34,10 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS) -> l
         args = (x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None)
         ms = median_ms(lambda args=args: quant_linear(*args))
         rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms))
+        if m == 1:  # the tensor-core tile path the one-row kernel replaced, measured beside it
+            tiled = pick_config(m, n, k, x.device)
+            ms = median_ms(lambda args=args: quant_linear(*args, tiled))
+            rows.append(_row(f"{name} (16-row tile)", n, k, m, ms, moved, flops, bf16_ms))
     return rows
 
 
