@@ -57,7 +57,8 @@ if section profile; then
     done
 fi
 if section tp; then  # a hang becomes an error with a traceback; NCCL says what it waits for
-    export TOKENMILL_DIST_TIMEOUT_S=${TOKENMILL_DIST_TIMEOUT_S:-90} TOKENMILL_DIST_JOIN_TIMEOUT_S=${TOKENMILL_DIST_JOIN_TIMEOUT_S:-90} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export TOKENMILL_DIST_TIMEOUT_S=${TOKENMILL_DIST_TIMEOUT_S:-90} TOKENMILL_DIST_JOIN_TIMEOUT_S=${TOKENMILL_DIST_JOIN_TIMEOUT_S:-90} NCCL_DEBUG=${NCCL_DEBUG:-INFO}
+    step "nccl smoke" "$PY" -m torch.distributed.run --nproc-per-node 2 scripts/nccl_smoke.py
     step "tp tests" "$PY" -m pytest tests/engine/test_tensor_parallel.py -x -q -k gpus
     step "latency tp" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
         --sweep tensor_parallel_size=1,2 --out "$OUT_DIR/latency_tp.json"
