@@ -51,6 +51,8 @@ fi
 if section profile; then
     step "profile bf16" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --batch-sizes 1 64 256 \
         --out "$OUT_DIR/profile_bf16.json"
+    step "profile async" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --batch-sizes 1 64 256 \
+        --async-scheduling --verify-query-lens --out "$OUT_DIR/profile_async.json"
     for q in int8 int4; do
         step "profile $q" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --quantization $q --batch-sizes 1 \
             --max-num-seqs 8 --verify-query-lens --out "$OUT_DIR/profile_$q.json"
@@ -68,12 +70,13 @@ if section bench; then
     step "quant bench" "$PY" -m tokenmill.quant.bench --out "$OUT_DIR/quant_kernels.json"
     for q in none int8 int4; do
         step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
-            $([ $q = none ] || echo --quantization $q) --out "$OUT_DIR/latency_$q.json"
+            $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \
+            --out "$OUT_DIR/latency_$q.json"
     done
     step "compare-hf" "$PY" -m tokenmill.cli bench compare-hf "${DUMMY[@]}" --max-tokens 128 --repeats 3 \
         --max-num-seqs 8 --out "$OUT_DIR/compare_hf.json"
     step "throughput" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 \
-        --sweep max_num_batched_tokens=2048,8192 --out "$OUT_DIR/throughput.json"
+        --sweep max_num_batched_tokens=8192 async_scheduling=false,true --out "$OUT_DIR/throughput.json"
 fi
 
 echo "=== summary ==="

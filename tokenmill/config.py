@@ -156,6 +156,7 @@ class EngineArgs:
     priority_aging_s: float = 10.0
     timeout_s: float | None = None
     enforce_eager: bool = False
+    async_scheduling: bool = False          # schedule and launch step N+1 before reading step N's tokens
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative: str | None = None          # None | "ngram" | "draft:<model>[@<quantization>]" (docs/SPECULATIVE.md)

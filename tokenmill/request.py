@@ -27,6 +27,8 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
+PENDING_TOKEN = -1  # stands for a sampled token still on the device
+
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
@@ -58,6 +60,7 @@ class Request:
         self.sent_text_len = 0              # characters of output_text already streamed
         self.sent_token_len = 0             # output tokens already streamed
         self.error: str | None = None
+        self.has_pending_token = False     # the last token is PENDING_TOKEN (async scheduling)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,26 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    # ---- async scheduling: a token sampled on the device, its value not yet read back ----------
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.all_token_ids) - self.has_pending_token
+
+    def append_pending_token(self) -> None:
+        """Count a sampled token whose value is still on the device: the next step can be scheduled (it feeds
+        the value from the device), and it must be resolved before anything reads it on the host."""
+        self.append_token(PENDING_TOKEN)
+        self.has_pending_token = True
+
+    def resolve_pending_token(self, token_id: int | None) -> None:
+        """Put the value in place, or drop the token (None: the request ended before it was read)."""
+        if token_id is None:
+            self.output_token_ids.pop()
+            self.all_token_ids.pop()
+        else:
+            self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
+        self.has_pending_token = False
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tokenmill.bench.common import (Column, add_common_args, build_engine, clock, generate, median, print_table,
-                                    release_memory, result_header, save_json, weight_bytes)
-from tokenmill.bench.sweep import add_sweep_arg, combination_args, parse_sweep
+from tokenmill.bench.common import (Column, add_common_args, clock, generate, median, print_table, result_header,
+                                    save_json, weight_bytes)
+from tokenmill.bench.sweep import add_sweep_arg, parse_sweep, run_sweep
 from tokenmill.bench.workloads import random_prompt
 from tokenmill.engine.arg_utils import engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine
@@ -61,19 +61,12 @@ def bench_latency(engine: LLMEngine, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    base = engine_args_from(ns)
-    combos = parse_sweep(ns.sweep)
-    rows, header = [], None
-    for combo in combos:
-        args = combination_args(base, combo)
-        engine = build_engine(args)
-        header = header or result_header("latency", args, engine.device, {
-            "input_len": ns.input_len, "output_len": ns.output_len, "prefill_len": ns.prefill_len,
-            "num_iters": ns.num_iters, "num_warmup": ns.num_warmup, "sweep": ns.sweep})
-        rows.append({**combo, **bench_latency(engine, ns)})
-        del engine
-        release_memory()
-    print_table(rows, [(k, k) for k in combos[0]] + COLUMNS,
+    rows, header = run_sweep(engine_args_from(ns), ns.sweep, lambda engine: [bench_latency(engine, ns)],
+                             lambda args, engine: result_header("latency", args, engine.device, {
+                                 "input_len": ns.input_len, "output_len": ns.output_len,
+                                 "prefill_len": ns.prefill_len, "num_iters": ns.num_iters,
+                                 "num_warmup": ns.num_warmup, "sweep": ns.sweep}))
+    print_table(rows, [(k, k) for k in parse_sweep(ns.sweep)[0]] + COLUMNS,
                 title=f"batch-1 decode ({ns.input_len} prompt + {ns.output_len} new tokens), "
                       f"medians of {ns.num_iters} runs")
     result = {**header, "results": rows}

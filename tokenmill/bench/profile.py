@@ -23,7 +23,8 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.runner.model_runner import ModelInput
 from tokenmill.sampling_params import SamplingParams
 
-PHASES = ("step", "schedule", "prepare_input", "forward", "execute", "process_token", "collect_outputs")
+PHASES = ("step", "schedule", "prepare_input", "forward", "execute", "launch", "read_back", "process_token",
+          "collect_outputs")
 
 
 def _timed(obj: Any, name: str, totals: dict[str, float]) -> None:
@@ -62,8 +63,8 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, num_steps
         engine.step()
     totals: dict[str, float] = defaultdict(float)
     timed = [(engine, "step"), (engine.scheduler, "schedule"), (engine.runner, "prepare_input"),
-             (engine.runner, "forward"), (engine.runner, "execute"), (engine, "_process_token"),
-             (engine, "_collect_outputs")]
+             (engine.runner, "forward"), (engine.runner, "execute"), (engine.runner, "launch"),
+             (engine.runner, "read_back"), (engine, "_process_token"), (engine, "_collect_outputs")]
     for obj, name in timed:
         _timed(obj, name, totals)
     start = clock(engine.device)
@@ -127,8 +128,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     rows = [profile_decode(engine, b, ns.input_len, ns.num_steps, ns.top) for b in ns.batch_sizes]
     print_table(rows, [("batch_size", "batch"), ("wall_ms", "wall ms"), ("kernel_ms", "kernels ms"),
                        ("gap_ms", "gap ms")] + [(f"{k}_ms", k) for k in PHASES],
-                title="decode step: wall time, device kernel time, host phases (ms per step; execute includes "
-                      "prepare_input, forward and the sampling wait)")
+                title="decode step: wall time, device kernel time, host phases (ms per step; execute, or launch + "
+                      "read_back with --async-scheduling, includes prepare_input, forward and the sampling wait)")
     for r in rows:
         if r["top_kernels"]:
             print_table(r["top_kernels"], [("name", f"top kernels, batch {r['batch_size']}"),

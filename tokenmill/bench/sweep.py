@@ -6,9 +6,11 @@ import argparse
 import dataclasses
 import itertools
 import typing
-from typing import Any
+from typing import Any, Callable
 
+from tokenmill.bench.common import build_engine, release_memory
 from tokenmill.config import EngineArgs
+from tokenmill.engine.llm_engine import LLMEngine
 
 SWEEP_HELP = ("grid search over engine options, one row per combination: e.g. --sweep block_size=16,32 "
               "max_num_seqs=64,256 max_num_batched_tokens=2048,8192")
@@ -50,3 +52,19 @@ def parse_sweep(specs: list[str] | None) -> list[dict[str, Any]]:
 def combination_args(base: EngineArgs, combo: dict[str, Any]) -> EngineArgs:
     """The base options with this combination's overrides (validated again by EngineArgs)."""
     return dataclasses.replace(base, **combo)
+
+
+def run_sweep(base: EngineArgs, specs: list[str] | None, measure: Callable[[LLMEngine], list[dict[str, Any]]],
+              header: Callable[[EngineArgs, LLMEngine], dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """measure(engine) on a fresh engine per combination, each row prefixed with its combination; the rows and
+    the first engine's result header. Each engine is released before the next is built."""
+    rows: list[dict[str, Any]] = []
+    first: dict[str, Any] | None = None
+    for combo in parse_sweep(specs):
+        args = combination_args(base, combo)
+        engine = build_engine(args)
+        first = first or header(args, engine)
+        rows += [{**combo, **row} for row in measure(engine)]
+        del engine
+        release_memory()
+    return rows, first or {}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tokenmill.bench.common import (Column, add_common_args, build_engine, clock, generate, num_output_tokens,
-                                    print_table, release_memory, result_header, save_json, warm_up)
-from tokenmill.bench.sweep import add_sweep_arg, combination_args, parse_sweep
+from tokenmill.bench.common import (Column, add_common_args, clock, generate, num_output_tokens, print_table,
+                                    result_header, save_json, warm_up)
+from tokenmill.bench.sweep import add_sweep_arg, parse_sweep, run_sweep
 from tokenmill.bench.workloads import Workload, nano_vllm_workload
 from tokenmill.engine.arg_utils import engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine
@@ -42,22 +42,18 @@ def workload_from(ns: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    base = engine_args_from(ns)
-    combos = parse_sweep(ns.sweep)
-    rows, header = [], None
-    for combo in combos:
-        args = combination_args(base, combo)
-        engine = build_engine(args)
-        workload = workload_from(ns, engine.model_config.vocab_size)
-        header = header or result_header("throughput", args, engine.device, {
-            "num_requests": ns.num_requests, "min_input_len": ns.min_input_len, "max_input_len": ns.max_input_len,
-            "min_output_len": ns.min_output_len, "max_output_len": ns.max_output_len, "seed": ns.workload_seed,
-            "temperatures": ns.temperatures, "sweep": ns.sweep})
+    def measure(engine: LLMEngine) -> list[dict[str, Any]]:
         warm_up(engine)
-        rows += [{**combo, **run_workload(engine, workload, t)} for t in ns.temperatures]
-        del engine
-        release_memory()
-    print_table(rows, [(k, k) for k in combos[0]] + COLUMNS,
+        workload = workload_from(ns, engine.model_config.vocab_size)
+        return [run_workload(engine, workload, t) for t in ns.temperatures]
+
+    rows, header = run_sweep(engine_args_from(ns), ns.sweep, measure,
+                             lambda args, engine: result_header("throughput", args, engine.device, {
+                                 "num_requests": ns.num_requests, "min_input_len": ns.min_input_len,
+                                 "max_input_len": ns.max_input_len, "min_output_len": ns.min_output_len,
+                                 "max_output_len": ns.max_output_len, "seed": ns.workload_seed,
+                                 "temperatures": ns.temperatures, "sweep": ns.sweep}))
+    print_table(rows, [(k, k) for k in parse_sweep(ns.sweep)[0]] + COLUMNS,
                 title=f"offline throughput, nano-vllm workload ({ns.num_requests} requests, input "
                       f"U[{min(ns.min_input_len, ns.max_input_len)}, {ns.max_input_len}], output "
                       f"U[{min(ns.min_output_len, ns.max_output_len)}, {ns.max_output_len}], ignore_eos)")

@@ -167,7 +167,7 @@ class KVCacheManager:
         """Register blocks that will be full once this step's tokens are written. Safe because a
         scheduled request is never unscheduled within its step, and K/V are written before attention."""
         start = self.num_cached_blocks.get(request.request_id, 0)
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, request.num_known_tokens) // self.block_size  # a pending token is hashed later
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)

@@ -142,6 +142,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            max_tokens = req.sampling_params.max_tokens
+            if req.has_pending_token and max_tokens is not None and req.num_output_tokens >= max_tokens:
+                i += 1  # its last token is on the device and ends it (async scheduling): nothing to compute
+                continue
             num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget, long_slots)
             if num_new <= 0:
                 i += 1

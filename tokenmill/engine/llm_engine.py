@@ -24,7 +24,7 @@ from tokenmill.engine.tp_launcher import TPWorkerGroup
 from tokenmill.model.loader import load_model, load_model_config, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.spec.draft import load_draft
 from tokenmill.spec.rejection_sampler import VerifyOutput
@@ -111,6 +111,7 @@ class LLMEngine:
         self.child_to_group: dict[str, _Group] = {}
         self._pending: dict[str, _Group] = {}   # groups with something to report at the next step
         self.last_step = StepStats()
+        self._in_flight: LaunchedStep | None = None  # async scheduling: a step whose tokens are not read back
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self._ids = itertools.count()
@@ -204,27 +205,72 @@ class LLMEngine:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and report one step. With async scheduling a step that needs no token value on the
+        host is launched before the previous step's tokens are read back, so the host's work for one step
+        overlaps the device's work for the other; its own tokens are reported by the next call."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         for req in out.timed_out:
             self._pending[req.parent_id] = self.child_to_group[req.request_id]
-        if not out.is_empty:
-            block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
-            with self._watch_workers():
-                result = (self.spec or self.runner).execute(out, block_ids)
-            sampled_reqs = [s.request for s in out.scheduled if s.samples]
-            if isinstance(result, VerifyOutput):
-                self._process_verified(out, sampled_reqs, result)
-            else:
-                sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
-                self.scheduler.update_from_output(out, sampled)
-                now = time.monotonic()
-                for req, lp in zip(sampled_reqs, result.logprobs):
-                    self._process_token(req, lp, now)
-            if self.spec is not None:
-                self.spec.propose([r for r in sampled_reqs if not r.is_finished])
+        if not out.is_empty and self._can_launch_ahead(out):
+            launched = self.runner.launch(out, self._block_ids(out), self._in_flight)
+            self._read_back_in_flight()
+            self.scheduler.update_from_output(out, {})
+            for req in launched.reqs:
+                if not req.is_finished:
+                    req.append_pending_token()
+            self._in_flight = launched
+        else:
+            self._read_back_in_flight()
+            out.scheduled = [s for s in out.scheduled if not s.request.is_finished]  # ended by that step
+            if not out.is_empty:
+                self._run_step(out)
         self._record_step(out, time.perf_counter() - t0)
         return self._collect_outputs()
+
+    def _block_ids(self, out: SchedulerOutput) -> list[list[int]]:
+        return [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
+
+    def _run_step(self, out: SchedulerOutput) -> None:
+        """Forward, sample, read back and process one step (with speculation: verify, then propose)."""
+        with self._watch_workers():
+            result = (self.spec or self.runner).execute(out, self._block_ids(out))
+        sampled_reqs = [s.request for s in out.scheduled if s.samples]
+        if isinstance(result, VerifyOutput):
+            self._process_verified(out, sampled_reqs, result)
+        else:
+            self.scheduler.update_from_output(out, {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)})
+            now = time.monotonic()
+            for req, lp in zip(sampled_reqs, result.logprobs):
+                self._process_token(req, lp, now)
+        if self.spec is not None:
+            self.spec.propose([r for r in sampled_reqs if not r.is_finished])
+
+    def _can_launch_ahead(self, out: SchedulerOutput) -> bool:
+        """Async scheduling, for a step that reads no token value on the host: no speculation (drafts are built
+        from the tokens), one rank (the other ranks get token ids from rank 0's host) and no penalties (the
+        sampler counts earlier tokens on the host)."""
+        if not self.args.async_scheduling or self.spec is not None or self.workers is not None:
+            return False
+        return not any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                       for p in (s.request.sampling_params for s in out.scheduled))
+
+    def _read_back_in_flight(self) -> None:
+        """Read back the launched step's tokens, put them in place of their placeholders and process them;
+        a request that ended meanwhile (aborted, timed out, or stopped by the step before) drops its token."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return
+        result = self.runner.read_back(step)
+        now = time.monotonic()
+        for req, token, logprob in zip(step.reqs, result.token_ids, result.logprobs):
+            if not req.has_pending_token:
+                continue
+            if req.is_finished:
+                req.resolve_pending_token(None)
+                continue
+            req.resolve_pending_token(token)
+            self._process_token(req, logprob, now)
 
     def _process_verified(self, out: SchedulerOutput, reqs: list[Request], result: VerifyOutput) -> None:
         """A step that verified draft tokens: a request's tokens are judged one at a time, so a stop token, a

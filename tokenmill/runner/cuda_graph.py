@@ -7,7 +7,7 @@ graph launch of host time."""
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -83,8 +83,10 @@ class CUDAGraphRunner:
     def fits(self, batch: "ModelInput") -> bool:
         return len(batch.seq_lens) <= self.buckets[-1] and batch.block_tables.shape[1] <= self.host["block_tables"].shape[1]
 
-    def replay(self, batch: "ModelInput") -> torch.Tensor:
-        """Hidden states of the batch's rows (a view into the graph's output, valid until the next replay)."""
+    def replay(self, batch: "ModelInput", patch_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Hidden states of the batch's rows (a view into the graph's output, valid until the next replay).
+        patch_ids may change the token ids on the device after they are copied (async scheduling's pending
+        tokens)."""
         n = len(batch.seq_lens)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         w = batch.block_tables.shape[1]
@@ -98,6 +100,7 @@ class CUDAGraphRunner:
         h["block_tables"][:n, w:] = 0
         self._pad(n, b)
         self.staging.copy(self.tables_at + b * self.row_bytes)
+        patch_ids(self.dev["input_ids"][:n])
         self.graphs[b].replay()
         return self.outputs[b][:n]
 

@@ -17,6 +17,7 @@ from tokenmill.distributed import all_reduce_min, broadcast_object, tp_size
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
 from tokenmill.layers.linear import kv_heads_per_rank
 from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare_fp8_kv
+from tokenmill.request import Request
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput
 from tokenmill.runner.staging import StagingBuffer
@@ -29,6 +30,19 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of every layer for one token on this rank, in the cache's dtype (int8 rows carry their scales)."""
     row = kv_row_width(config.head_dim, dtype) * dtype.itemsize
     return 2 * config.num_hidden_layers * kv_heads_per_rank(config.num_key_value_heads) * row
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens are still on the device (async scheduling reads them back a step later)."""
+
+    out: SchedulerOutput
+    reqs: list[Request]                 # the sampled requests, in row order
+    tokens: torch.Tensor                # [len(reqs)] on the device
+    raw_logprobs: torch.Tensor | None
+
+
+PendingInputs = tuple[list[int], list[int], torch.Tensor]  # input rows, rows of the previous step's tokens, tokens
 
 
 @dataclass
@@ -174,7 +188,22 @@ class ModelRunner:
         return self.sampler(logits, reqs)
 
     @torch.inference_mode()
-    def compute_logits(self, out: SchedulerOutput, block_ids: list[list[int]]) -> torch.Tensor | None:
+    def launch(self, out: SchedulerOutput, block_ids: list[list[int]], prev: LaunchedStep | None) -> LaunchedStep:
+        """Forward and sample one step without reading the tokens back (async scheduling). Tokens of `prev` that
+        the host has not seen yet are fed to this step's input on the device."""
+        logits = self.compute_logits(out, block_ids, prev)
+        reqs = [s.request for s in out.scheduled if s.samples]
+        if logits is None:
+            return LaunchedStep(out, reqs, torch.empty(0, dtype=torch.long, device=self.device), None)
+        return LaunchedStep(out, reqs, *self.sampler.sample(logits, reqs))
+
+    def read_back(self, step: LaunchedStep) -> SamplerOutput:
+        """A launched step's tokens and logprobs on the host (waits for the device)."""
+        return self.sampler.read_back(step.tokens, step.raw_logprobs, step.reqs)
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput, block_ids: list[list[int]],
+                       prev: LaunchedStep | None = None) -> torch.Tensor | None:
         """Forward one step; the logits of the rows to sample, None if there are none."""
         if tp_size() != self.tp_size:
             raise RuntimeError(f"this runner was built for {self.tp_size} tensor-parallel rank(s) but the process now "
@@ -182,19 +211,21 @@ class ModelRunner:
         batch = self.prepare_input(out, block_ids)
         if self.tp_size > 1:
             broadcast_object(batch)  # the other ranks run this same forward (engine/tp_worker.py)
-        return self.forward(batch)
+        return self.forward(batch, None if prev is None else pending_inputs(out, batch, prev))
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput) -> torch.Tensor | None:
-        """The forward of one flat batch; logits of its sample rows, None if there are none."""
+    def forward(self, batch: ModelInput, pending: PendingInputs | None = None) -> torch.Tensor | None:
+        """The forward of one flat batch; logits of its sample rows, None if there are none. `pending` names the
+        input rows whose token is still on the device, and where to take it from."""
         num_seqs = len(batch.seq_lens)
         if self.graphs is not None and batch.max_query_len == 1 and self.graphs.fits(batch):
-            hidden = self.graphs.replay(batch)
+            hidden = self.graphs.replay(batch, lambda ids: fill_pending(ids, pending))
             sample_rows = None if len(batch.sample_rows) == num_seqs else self._to_device([batch.sample_rows])[0]
         else:
             ids, positions, slots, qsl, seq_lens, tables, sample_rows = self._to_device([
                 batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
                 batch.block_tables, batch.sample_rows])
+            fill_pending(ids, pending)
             meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
                                      max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
             with forward_context(meta):
@@ -208,3 +239,23 @@ class ModelRunner:
         if self.staging is None:
             return [torch.from_numpy(a) for a in arrays]
         return self.staging.to_device(arrays)
+
+
+def pending_inputs(out: SchedulerOutput, batch: ModelInput, prev: LaunchedStep) -> PendingInputs | None:
+    """The input rows of this step that hold a token `prev` sampled and the host has not read yet."""
+    row_of = {id(r): i for i, r in enumerate(prev.reqs)}
+    rows, src = [], []
+    for i, s in enumerate(out.scheduled):
+        r = s.request
+        offset = r.num_tokens - 1 - r.num_computed_tokens  # the pending token is always the last one
+        if r.has_pending_token and 0 <= offset < s.num_new_tokens - s.num_spec_tokens:
+            rows.append(int(batch.query_start_loc[i]) + offset)
+            src.append(row_of[id(r)])
+    return (rows, src, prev.tokens) if rows else None
+
+
+def fill_pending(input_ids: torch.Tensor, pending: PendingInputs | None) -> None:
+    if pending is not None:
+        rows, src, tokens = pending
+        dev = input_ids.device
+        input_ids[torch.tensor(rows, device=dev)] = tokens[torch.tensor(src, device=dev)]
