@@ -1,7 +1,7 @@
 """Async scheduling (step N+1 launched before step N's tokens are read back, the pending tokens fed on the
 device) changes nothing a user sees: the same tokens, texts, finish reasons and logprobs as the synchronous
 engine, through EOS and stop strings, n > 1 with prefix sharing, chunked prefill, preemption, seeded sampling,
-penalties (which fall back to synchronous steps) and aborts, with every KV block returned."""
+penalties and logprobs (which fall back to synchronous steps) and aborts, with every KV block returned."""
 import pytest
 
 from tokenmill import LLM, SamplingParams
@@ -34,19 +34,28 @@ def run(llm: LLM, params: list[SamplingParams]) -> list[list[tuple]]:
 
 def test_same_outputs_as_synchronous(engines) -> None:
     params = [SamplingParams(temperature=0, max_tokens=40),                                   # EOS may end it
-              SamplingParams(temperature=0, max_tokens=7, logprobs=2),                        # max_tokens
+              SamplingParams(temperature=0, max_tokens=7),                                    # max_tokens
               SamplingParams(temperature=0, max_tokens=60, stop=["."]),                       # stop string
               SamplingParams(temperature=0.8, max_tokens=30, seed=3, n=2),                    # seeded, n > 1
               SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, min_tokens=5),
               SamplingParams(temperature=0.7, top_k=20, max_tokens=25, seed=11)]
-    sync, asynchronous = (run(engines[mode], params) for mode in (False, True))
+    runner = engines[True].llm_engine.runner
+    launches = []
+    launch = runner.launch
+    runner.launch = lambda *a: launches.append(1) or launch(*a)
+    try:
+        sync, asynchronous = (run(engines[mode], params) for mode in (False, True))
+    finally:
+        del runner.launch
     assert asynchronous == sync
+    assert len(launches) > 50  # every step of this batch was launched ahead
     assert engines[True].llm_engine.scheduler.stats.num_preemptions > 0  # the small pool preempted
 
 
-def test_penalties_fall_back_to_synchronous_steps(engines) -> None:
-    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3)] + \
-             [SamplingParams(temperature=0, max_tokens=20)] * (len(QUESTIONS) - 1)
+def test_penalties_and_logprobs_fall_back_to_synchronous_steps(engines) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=9, logprobs=2)] + \
+             [SamplingParams(temperature=0, max_tokens=20)] * (len(QUESTIONS) - 2)
     assert run(engines[True], params) == run(engines[False], params)
 
 

@@ -32,7 +32,7 @@ _HELP = {
     "timeout_s": "default per-request deadline in seconds",
     "enforce_eager": "disable CUDA graphs",
     "async_scheduling": "overlap each step's host work with the previous step on the GPU (tokens fed from the "
-                        "device; off with speculation, tensor parallelism or penalties)",
+                        "device; off with speculation, tensor parallelism, penalties or logprobs)",
     "quantization": "weight quantization: int8 | int4",
     "kv_cache_dtype": "auto | fp8 | int8",
     "speculative": "speculative decoding: ngram | draft:<model>[@<quantization>] (<model> 'self': the target)",

@@ -248,12 +248,12 @@ class LLMEngine:
 
     def _can_launch_ahead(self, out: SchedulerOutput) -> bool:
         """Async scheduling, for a step that reads no token value on the host: no speculation (drafts are built
-        from the tokens), one rank (the other ranks get token ids from rank 0's host) and no penalties (the
-        sampler counts earlier tokens on the host)."""
+        from the tokens), one rank (the other ranks get token ids from rank 0's host), no penalties (the
+        sampler counts earlier tokens on the host) and no logprobs (read back with the logits)."""
         if not self.args.async_scheduling or self.spec is not None or self.workers is not None:
             return False
         return not any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                       for p in (s.request.sampling_params for s in out.scheduled))
+                       or p.logprobs is not None for p in (s.request.sampling_params for s in out.scheduled))
 
     def _read_back_in_flight(self) -> None:
         """Read back the launched step's tokens, put them in place of their placeholders and process them;
@@ -261,16 +261,15 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         if step is None:
             return
-        result = self.runner.read_back(step)
         now = time.monotonic()
-        for req, token, logprob in zip(step.reqs, result.token_ids, result.logprobs):
+        for req, token in zip(step.reqs, self.runner.read_back(step)):
             if not req.has_pending_token:
                 continue
             if req.is_finished:
                 req.resolve_pending_token(None)
                 continue
             req.resolve_pending_token(token)
-            self._process_token(req, logprob, now)
+            self._process_token(req, None, now)
 
     def _process_verified(self, out: SchedulerOutput, reqs: list[Request], result: VerifyOutput) -> None:
         """A step that verified draft tokens: a request's tokens are judged one at a time, so a stop token, a

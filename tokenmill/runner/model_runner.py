@@ -34,12 +34,15 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 @dataclass
 class LaunchedStep:
-    """A step whose sampled tokens are still on the device (async scheduling reads them back a step later)."""
+    """A step whose sampled tokens are still on the device (async scheduling reads them back a step later).
+    Their copy to the host is queued right after sampling, before the next step's kernels, so reading them
+    back waits for this step only."""
 
     out: SchedulerOutput
     reqs: list[Request]                 # the sampled requests, in row order
     tokens: torch.Tensor                # [len(reqs)] on the device
-    raw_logprobs: torch.Tensor | None
+    host_tokens: torch.Tensor           # their copy on the host (pinned on CUDA), valid once `ready`
+    ready: torch.cuda.Event | None      # recorded after the copy (None on the CPU: already there)
 
 
 PendingInputs = tuple[list[int], list[int], torch.Tensor]  # input rows, rows of the previous step's tokens, tokens
@@ -193,13 +196,21 @@ class ModelRunner:
         the host has not seen yet are fed to this step's input on the device."""
         logits = self.compute_logits(out, block_ids, prev)
         reqs = [s.request for s in out.scheduled if s.samples]
-        if logits is None:
-            return LaunchedStep(out, reqs, torch.empty(0, dtype=torch.long, device=self.device), None)
-        return LaunchedStep(out, reqs, *self.sampler.sample(logits, reqs))
+        tokens = torch.empty(0, dtype=torch.long, device=self.device) if logits is None else \
+            self.sampler.sample(logits, reqs)[0]
+        if self.device.type != "cuda":
+            return LaunchedStep(out, reqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(out, reqs, tokens, host, ready)
 
-    def read_back(self, step: LaunchedStep) -> SamplerOutput:
-        """A launched step's tokens and logprobs on the host (waits for the device)."""
-        return self.sampler.read_back(step.tokens, step.raw_logprobs, step.reqs)
+    def read_back(self, step: LaunchedStep) -> list[int]:
+        """A launched step's tokens on the host (waits for that step, not for any launched after it)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        return step.host_tokens.tolist()
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput, block_ids: list[list[int]],

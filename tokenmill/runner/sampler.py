@@ -63,11 +63,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: float32 [len(reqs), vocab] (rows past vocab_size, if any, are cut)."""
-        return self.read_back(*self.sample(logits, reqs), reqs)
+        tokens, raw_logprobs = self.sample(logits, reqs)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, reqs))
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The tokens (and raw logprobs if asked) on the device, nothing read back: async scheduling feeds them
-        to the next step before the host sees them."""
+        """The tokens (and raw logprobs if asked) on the device, nothing read back: async scheduling feeds the
+        tokens to the next step before the host sees them."""
         logits, raw_logprobs = self.process(logits, reqs)
         params = [r.sampling_params for r in reqs]
         tokens = logits.argmax(dim=-1)
@@ -76,10 +78,6 @@ class Sampler:
             sampled = self.race(self.probs(logits, params), reqs)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens, raw_logprobs
-
-    def read_back(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, reqs: list[Request]) -> SamplerOutput:
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, reqs))
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cut to the vocabulary, apply penalties and min_tokens in place; also the raw log-softmax when a
