@@ -73,6 +73,8 @@ if section bench; then
             $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \
             --out "$OUT_DIR/latency_$q.json"
     done
+    step "prefill 8192" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --prefill-len 8192 --output-len 2 \
+        --max-num-batched-tokens 8192 --max-num-seqs 8 --out "$OUT_DIR/prefill_8192.json"
     step "compare-hf" "$PY" -m tokenmill.cli bench compare-hf "${DUMMY[@]}" --max-tokens 128 --repeats 3 \
         --max-num-seqs 8 --out "$OUT_DIR/compare_hf.json"
     step "throughput" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 \
