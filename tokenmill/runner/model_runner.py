@@ -38,7 +38,6 @@ class LaunchedStep:
     Their copy to the host is queued right after sampling, before the next step's kernels, so reading them
     back waits for this step only."""
 
-    out: SchedulerOutput
     reqs: list[Request]                 # the sampled requests, in row order
     tokens: torch.Tensor                # [len(reqs)] on the device
     host_tokens: torch.Tensor           # their copy on the host (pinned on CUDA), valid once `ready`
@@ -199,12 +198,12 @@ class ModelRunner:
         tokens = torch.empty(0, dtype=torch.long, device=self.device) if logits is None else \
             self.sampler.sample(logits, reqs)[0]
         if self.device.type != "cuda":
-            return LaunchedStep(out, reqs, tokens, tokens, None)
+            return LaunchedStep(reqs, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(out, reqs, tokens, host, ready)
+        return LaunchedStep(reqs, tokens, host, ready)
 
     def read_back(self, step: LaunchedStep) -> list[int]:
         """A launched step's tokens on the host (waits for that step, not for any launched after it)."""
