@@ -60,7 +60,6 @@ class Request:
         self.sent_text_len = 0              # characters of output_text already streamed
         self.sent_token_len = 0             # output tokens already streamed
         self.error: str | None = None
-        self.has_pending_token = False     # the last token is PENDING_TOKEN (async scheduling)
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +83,11 @@ class Request:
 
     # ---- async scheduling: a token sampled on the device, its value not yet read back ----------
     @property
+    def has_pending_token(self) -> bool:
+        """The last token is PENDING_TOKEN (token ids are never negative otherwise)."""
+        return bool(self.all_token_ids) and self.all_token_ids[-1] == PENDING_TOKEN
+
+    @property
     def num_known_tokens(self) -> int:
         return len(self.all_token_ids) - self.has_pending_token
 
@@ -91,7 +95,6 @@ class Request:
         """Count a sampled token whose value is still on the device: the next step can be scheduled (it feeds
         the value from the device), and it must be resolved before anything reads it on the host."""
         self.append_token(PENDING_TOKEN)
-        self.has_pending_token = True
 
     def resolve_pending_token(self, token_id: int | None) -> None:
         """Put the value in place, or drop the token (None: the request ended before it was read)."""
@@ -100,7 +103,6 @@ class Request:
             self.all_token_ids.pop()
         else:
             self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
-        self.has_pending_token = False
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.name}, prompt={self.num_prompt_tokens}, "

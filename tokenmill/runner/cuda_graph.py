@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 import torch
 
 from tokenmill.layers.attention import AttentionMetadata, forward_context
@@ -31,15 +30,13 @@ class CUDAGraphRunner:
         self.buckets = batch_buckets(max_num_seqs)
         n, width = self.buckets[-1], runner.max_blocks_per_seq
         # Layout of the input buffer; the block tables come last so a bucket copies only its own rows.
-        self.layout = {"input_ids": (0, torch.int64, (n,)), "positions": (8 * n, torch.int64, (n,)),
-                       "slot_mapping": (16 * n, torch.int64, (n,)), "seq_lens": (24 * n, torch.int32, (n,)),
-                       "block_tables": (24 * n + 8 * -(-n // 2), torch.int32, (n, width))}
-        tables_at = self.layout["block_tables"][0]
-        self.staging = StagingBuffer(runner.device, tables_at + 4 * n * width)
-        self.tables_at, self.row_bytes = tables_at, 4 * width
-        self.host = {k: self.staging.host_np[o: o + int(np.prod(shape)) * dt.itemsize].view(_NP[dt]).reshape(shape)
-                     for k, (o, dt, shape) in self.layout.items()}
-        self.dev = {k: self.staging.view(o, dt, shape) for k, (o, dt, shape) in self.layout.items()}
+        self.tables_at, self.row_bytes = 24 * n + 8 * -(-n // 2), 4 * width
+        layout = {"input_ids": (0, torch.int64, (n,)), "positions": (8 * n, torch.int64, (n,)),
+                  "slot_mapping": (16 * n, torch.int64, (n,)), "seq_lens": (24 * n, torch.int32, (n,)),
+                  "block_tables": (self.tables_at, torch.int32, (n, width))}
+        self.staging = StagingBuffer(runner.device, self.tables_at + n * self.row_bytes)
+        self.host = {k: self.staging.host_view(*spec) for k, spec in layout.items()}
+        self.dev = {k: self.staging.view(*spec) for k, spec in layout.items()}
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=runner.device)
         self._pad(0, n)
         self.staging.copy(self.staging.host.numel())
@@ -103,6 +100,3 @@ class CUDAGraphRunner:
         patch_ids(self.dev["input_ids"][:n])
         self.graphs[b].replay()
         return self.outputs[b][:n]
-
-
-_NP = {torch.int64: np.int64, torch.int32: np.int32}

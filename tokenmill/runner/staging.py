@@ -43,8 +43,16 @@ class StagingBuffer:
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The device tensor of that dtype and shape at offset."""
+        return self._view(self.dev, offset, dtype, shape)
+
+    def host_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """Its twin in the host buffer, as numpy (written in place, then sent by copy())."""
+        return self._view(self.host, offset, dtype, shape).numpy()
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         n = int(np.prod(shape)) * dtype.itemsize
-        return self.dev[offset: offset + n].view(dtype).view(shape)
+        return buffer[offset: offset + n].view(dtype).view(shape)
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Device copies of arrays, all sent in one transfer. They stay valid until the next call."""
