@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU check on a CUDA machine: kernel, quantization and engine tests, then kernel and engine benchmarks (Llama-3-8B
 # shape with random weights: bf16, INT8, INT4; transformers' generate in the same run). One section per step, a
-# summary last. SECTIONS picks what runs (default: tests profile bench): tests (GPU tests), profile (where a decode
-# step's time goes, verify-step cost), bench (kernel, quantization and engine benchmarks), tp (2 GPUs: TP=2 against
-# TP=1, batch-1 speed at TP=1 and 2). SKIP lists step names to leave
-# out ("quant tests,kernel bench"). A step stops after STEP_TIMEOUT s.
+# summary last. SECTIONS picks what runs, in that order (default: tests profile bench): tests (GPU tests), profile
+# (where a decode step's time goes, verify-step cost), bench (kernel, quantization and engine benchmarks), tp
+# (2 GPUs: TP=2 against TP=1, batch-1 speed at TP=1 and 2). SKIP lists step names to leave out
+# ("quant tests,kernel bench"). A step stops after STEP_TIMEOUT s.
 # Installs nothing but the wheels found in .whl/ (the GPU machine has no registry access).
 #   OUT_DIR=bench_results scripts/gpu_check.sh
 set -uo pipefail
@@ -41,14 +41,13 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 step "env" "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-section() { [[ " $SECTIONS " == *" $1 "* ]]; }
 DUMMY=(--load-format dummy --model-preset llama-3-8b)
-if section tests; then
+tests() {
     step "kernel tests" "$PY" -m pytest tests/kernels -x -q
     step "quant tests" "$PY" -m pytest tests/quant/test_triton_quant.py -x -q
-    step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -q
-fi
-if section profile; then
+    step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -v --durations=0
+}
+profile() {
     step "profile bf16" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --batch-sizes 1 64 256 \
         --out "$OUT_DIR/profile_bf16.json"
     step "profile async" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --batch-sizes 1 64 256 \
@@ -57,15 +56,18 @@ if section profile; then
         step "profile $q" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --quantization $q --batch-sizes 1 \
             --max-num-seqs 8 --verify-query-lens --out "$OUT_DIR/profile_$q.json"
     done
-fi
-if section tp; then  # a hang becomes an error with a traceback; NCCL says what it waits for
-    export TOKENMILL_DIST_TIMEOUT_S=${TOKENMILL_DIST_TIMEOUT_S:-90} TOKENMILL_DIST_JOIN_TIMEOUT_S=${TOKENMILL_DIST_JOIN_TIMEOUT_S:-90} NCCL_DEBUG=${NCCL_DEBUG:-INFO}
+}
+tp() {  # a hang becomes an error with a traceback; ranks left behind by a killed step are stopped
+    export TOKENMILL_DIST_TIMEOUT_S=${TOKENMILL_DIST_TIMEOUT_S:-90} TOKENMILL_DIST_JOIN_TIMEOUT_S=${TOKENMILL_DIST_JOIN_TIMEOUT_S:-90} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
     step "nccl smoke" "$PY" -m torch.distributed.run --nproc-per-node 2 scripts/nccl_smoke.py
-    step "tp tests" "$PY" -m pytest tests/engine/test_tensor_parallel.py -x -q -k gpus
+    pkill -9 -f nccl_smoke.py
+    step "tp tests" "$PY" -m pytest tests/engine/test_tensor_parallel.py -x -v -k gpus --durations=0
+    pkill -9 -f multiprocessing.spawn
     step "latency tp" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
         --sweep tensor_parallel_size=1,2 --out "$OUT_DIR/latency_tp.json"
-fi
-if section bench; then
+    pkill -9 -f multiprocessing.spawn
+}
+bench() {
     step "kernel bench" "$PY" -m tokenmill.kernels.bench_kernels --out "$OUT_DIR/kernels.json"
     step "quant bench" "$PY" -m tokenmill.quant.bench --out "$OUT_DIR/quant_kernels.json"
     for q in none int8 int4; do
@@ -79,7 +81,13 @@ if section bench; then
         --max-num-seqs 8 --out "$OUT_DIR/compare_hf.json"
     step "throughput" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 \
         --sweep max_num_batched_tokens=8192 async_scheduling=false,true --out "$OUT_DIR/throughput.json"
-fi
+}
+for section in $SECTIONS; do
+    case $section in
+        tests|profile|tp|bench) "$section" ;;
+        *) echo "unknown section '$section' (tests profile tp bench)"; exit 2 ;;
+    esac
+done
 
 echo "=== summary ==="
 printf '%s\n' "${STEPS[@]}"

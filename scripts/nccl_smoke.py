@@ -19,5 +19,7 @@ with torch.cuda.graph(graph):
 graph.replay()
 torch.cuda.synchronize()
 assert y.tolist() == [2.0] * 4, y
-print(f"rank {rank}: NCCL all-reduce ok, eager and in a CUDA graph")
+print(f"rank {rank}: NCCL all-reduce ok, eager and in a CUDA graph", flush=True)
+graph.reset()  # leaving the group with a graph that captured its all-reduce hangs (pytorch/pytorch#115388)
 dist.destroy_process_group()
+print(f"rank {rank}: left the group", flush=True)

@@ -20,6 +20,9 @@ JOIN_TIMEOUT_ENV = "TOKENMILL_DIST_JOIN_TIMEOUT_S"
 _JOINED_KEY = "tokenmill/joined"
 
 _control_group: dist.ProcessGroup | None = None
+# run before the group is left: ncclCommDestroy blocks forever while a CUDA graph that captured one of its
+# collectives is alive (pytorch/pytorch#115388), so graph owners register their release here
+_before_destroy: list[Callable[[], None]] = []
 # rank 0 sends from the engine thread and the keepalive thread: one control message (and its replies) at a time
 control_lock = threading.RLock()
 
@@ -56,9 +59,16 @@ def init_tp_group(rank: int, world_size: int, master_addr: str, master_port: int
     _control_group = dist.new_group(backend="gloo", timeout=timeout)
 
 
+def on_destroy(release: Callable[[], None]) -> None:
+    """Call release() before this process leaves the group (CUDA graphs holding NCCL collectives)."""
+    _before_destroy.append(release)
+
+
 def destroy_tp_group() -> None:
     """Leave the group (if any): tp size is 1 again, so another engine can start in this process."""
     global _control_group
+    while _before_destroy:
+        _before_destroy.pop()()
     if dist.is_initialized():
         dist.destroy_process_group()
     _control_group = None

@@ -109,7 +109,7 @@ def verify_cost(engine: LLMEngine, context_len: int, query_lens: list[int], iter
         times = []
         for i in range(iters + 3):
             start = clock(engine.device)
-            runner.forward(batch)
+            runner.forward_all_ranks(batch)
             if i >= 3:
                 times.append(clock(engine.device) - start)
         rows.append({"query_len": q, "ms": 1000 * median(times)})

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from tokenmill.distributed import on_destroy, tp_size
 from tokenmill.layers.attention import AttentionMetadata, forward_context
 from tokenmill.runner.staging import StagingBuffer
 
@@ -76,9 +77,20 @@ class CUDAGraphRunner:
                 self.pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
+        if tp_size() > 1:
+            on_destroy(self.release)
+
+    def release(self) -> None:
+        """Drop every graph (and with them their collectives); the runner then runs eagerly."""
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
 
     def fits(self, batch: "ModelInput") -> bool:
-        return len(batch.seq_lens) <= self.buckets[-1] and batch.block_tables.shape[1] <= self.host["block_tables"].shape[1]
+        return (bool(self.graphs) and len(batch.seq_lens) <= self.buckets[-1]
+                and batch.block_tables.shape[1] <= self.host["block_tables"].shape[1])
 
     def replay(self, batch: "ModelInput", patch_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """Hidden states of the batch's rows (a view into the graph's output, valid until the next replay).

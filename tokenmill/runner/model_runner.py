@@ -98,7 +98,9 @@ class ModelRunner:
             budget = self._profile_free_memory()
         else:
             budget = DEFAULT_CPU_KV_BYTES
-        num_blocks = int(budget // per_block)
+        # never more than max_num_seqs requests at full context can hold: a small model on a large GPU would
+        # otherwise get tens of millions of blocks (and as many Python objects in the block pool)
+        num_blocks = min(int(budget // per_block), 1 + self.args.max_num_seqs * self.max_blocks_per_seq)
         if num_blocks < 2:
             raise ValueError(f"the KV budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
                              "at least 2 are needed")
@@ -219,9 +221,13 @@ class ModelRunner:
             raise RuntimeError(f"this runner was built for {self.tp_size} tensor-parallel rank(s) but the process now "
                                f"runs a group of {tp_size()}: one engine at a time when tensor parallelism is on")
         batch = self.prepare_input(out, block_ids)
+        return self.forward_all_ranks(batch, None if prev is None else pending_inputs(out, batch, prev))
+
+    def forward_all_ranks(self, batch: ModelInput, pending: PendingInputs | None = None) -> torch.Tensor | None:
+        """forward() here, and on every other tensor-parallel rank (engine/tp_worker.py replays the batch)."""
         if self.tp_size > 1:
-            broadcast_object(batch)  # the other ranks run this same forward (engine/tp_worker.py)
-        return self.forward(batch, None if prev is None else pending_inputs(out, batch, prev))
+            broadcast_object(batch)
+        return self.forward(batch, pending)
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput, pending: PendingInputs | None = None) -> torch.Tensor | None:
