@@ -72,14 +72,14 @@ tp() {  # a hang becomes an error with a traceback; ranks left behind by a kille
 }
 bench() {
     step "kernel bench" "$PY" -m tokenmill.kernels.bench_kernels --out "$OUT_DIR/kernels.json"
-    step "quant bench" "$PY" -m tokenmill.quant.bench --out "$OUT_DIR/quant_kernels.json"
+    step "quant bench" "$PY" -m tokenmill.quant.bench --m 1 16 64 2048 --tune --out "$OUT_DIR/quant_kernels.json"
     for q in none int8 int4; do
         step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
             $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \
             --out "$OUT_DIR/latency_$q.json"
     done
-    step "prefill 8192" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --prefill-len 8192 --output-len 2 \
-        --max-num-batched-tokens 8192 --max-num-seqs 8 --out "$OUT_DIR/prefill_8192.json"
+    step "prefill 8191" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --prefill-len 8191 --output-len 2 \
+        --max-num-batched-tokens 8192 --max-num-seqs 8 --out "$OUT_DIR/prefill_8191.json"
     step "compare-hf" "$PY" -m tokenmill.cli bench compare-hf "${DUMMY[@]}" --max-tokens 128 --repeats 3 \
         --max-num-seqs 8 --out "$OUT_DIR/compare_hf.json"
     step "throughput" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 \

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from paged_cases import make_case, rel_err
 
 from tokenmill.kernels import quant_ref, torch_ref, triton_ops
-from tokenmill.kernels.triton_quant import GEMM, SKINNY, MatmulConfig, gemv_block_k, quant_linear
+from tokenmill.kernels.triton_quant import GEMM, SKINNY, MatmulConfig, quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 from tokenmill.quant.kv_cache import kv_row_width
 
@@ -53,26 +53,6 @@ def test_matmul_configs(cfg: MatmulConfig, fmt: str) -> None:
         want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, 1000, f.group(1000), None)
         got = quant_linear(x, qw.qweight, qw.scales, qw.mins, 1000, f.group(1000), None, cfg)
         assert got.shape == (2, m, 300) and rel_err(got, want) < 1e-5
-
-
-@pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("fmt", ["int8", "int8-g64", "int4-g64", "int4-g128"])
-def test_one_row_kernel(fmt: str, split: int) -> None:
-    """The one-row (batch-1 decode) kernel, split or not, on a K with a partial last tile and a bias; a K tile
-    wider than a group is refused."""
-    f = QuantFormat.parse(fmt)
-    k = 1000
-    qw = quantize(torch.randn(300, k, device="cuda"), f)
-    bias = torch.randn(300, device="cuda")
-    per_channel = f.bits == 8 and f.group(k) >= k
-    cfg = MatmulConfig(1, 32, gemv_block_k(per_channel, f.group(k)), split)
-    for m in (1, 3):
-        x = torch.randn(m, k, device="cuda")
-        want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, k, f.group(k), bias.double())
-        assert rel_err(quant_linear(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, cfg), want) < 1e-5
-    if not per_channel:
-        with pytest.raises(ValueError, match="must not exceed the group"):
-            quant_linear(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, MatmulConfig(1, 32, 256))
 
 
 def _int8_cache(cache: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,11 @@
 """Quantized-weight matmul in Triton: y = x @ W.T + b with W packed INT8 or INT4 (tokenmill/quant/formats.py),
 dequantized tile by tile in registers; no dequantized copy of W ever exists in memory.
 
-Batch-1 decode (M = 1, INT8 or groups of 64+): a one-row kernel that multiplies in fp32 registers and reduces
-along K, one group per K tile (measured on the H200, the 16-row tensor-core tile read INT4 weights at 21% of the
-copy bandwidth at M = 1; the one-row kernel is not measured yet, `python -m tokenmill.quant.bench` prints both).
-Otherwise one kernel, two tile shapes. Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles.
+One kernel, two tile shapes. Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles.
 Larger M: classic square-ish tiles. Either way, when the tiles are too few to fill the GPU the K loop is split
 over programs, and the fp32 partial sums are reduced in a fixed order by a second kernel, so results are
-deterministic.
+deterministic. (A one-row kernel for batch-1 decode, fp32 products reduced along K, was measured on the H200 and
+dropped: INT8 at 49% of copy bandwidth against this tile's 59%, INT4 no faster.)
 
 INT4 tiles are handled in halves that match the packing: the byte at column i of a tile holds input
 (i // 16) * 32 + i % 16 (low nibble) and that input + 16 (high nibble), so a tile is two dots, one per
@@ -37,7 +35,6 @@ class MatmulConfig:
 SKINNY_M = 16
 SKINNY = MatmulConfig(16, 64, 256, num_warps=4, num_stages=3)
 GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
-GEMV = MatmulConfig(1, 32, 256, num_warps=4, num_stages=4)  # block_m 1: the one-row kernel
 
 
 @triton.jit
@@ -116,67 +113,6 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
 
 
 @triton.jit
-def _quant_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
-                       stride_xm, stride_wn, stride_sn, stride_om, stride_split,
-                       INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One input row per program (batch-1 decode): no tensor-core tile to pad to 16 rows and no staging of W for one. Each
-    program streams a [BLOCK_N, BLOCK_K] tile of packed weights per step, multiplies in fp32 registers and reduces
-    along K; a tile never spans two groups (BLOCK_K <= GROUP), so a row's scale (and min) is one number per step."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    x_ptr += pid_m.to(tl.int64) * stride_xm
-    out_ptr += pid_m.to(tl.int64) * stride_om
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    k_lo = pid_k * k_per_split
-    k_hi = k_lo + k_per_split
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    if INT4:
-        HALF: tl.constexpr = BLOCK_K // 2
-        offs_i = tl.arange(0, HALF)
-        col = (offs_i // 16) * 32 + offs_i % 16
-        m_rows = m_ptr + offs_n.to(tl.int64) * stride_sn
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kl = k0 + col
-            kh = kl + 16
-            packed = tl.load(w_rows + (k0 // 2 + offs_i)[None, :], mask=n_mask[:, None] & (kl < K)[None, :], other=0)
-            x_lo = tl.load(x_ptr + kl, mask=kl < K, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptr + kh, mask=kh < K, other=0.0).to(tl.float32)
-            qx = tl.sum((packed & 15).to(tl.float32) * x_lo[None, :] + (packed >> 4).to(tl.float32) * x_hi[None, :], 1)
-            g = k0 // GROUP
-            scale = tl.load(s_rows + g, mask=n_mask & (g < n_groups), other=0.0).to(tl.float32)
-            low = tl.load(m_rows + g, mask=n_mask & (g < n_groups), other=0.0).to(tl.float32)
-            acc += scale * qx + low * (tl.sum(x_lo, 0) + tl.sum(x_hi, 0))  # sum (q s + m) x = s sum q x + m sum x
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        if PER_CHANNEL:
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                kk = k0 + offs_k
-                q = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0)
-                acc2 += q.to(tl.float32) * tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            acc = tl.sum(acc2, 1) * tl.load(s_rows, mask=n_mask, other=0.0).to(tl.float32)
-        else:
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                kk = k0 + offs_k
-                q = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0)
-                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                g = k0 // GROUP
-                scale = tl.load(s_rows + g, mask=n_mask & (g < n_groups), other=0.0).to(tl.float32)
-                acc += scale * tl.sum(q.to(tl.float32) * x[None, :], 1)
-    if SPLIT:
-        tl.store(out_ptr + pid_k * stride_split + offs_n, acc, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """out = sum over splits (in split order) + bias, cast to out's dtype; parts are [splits, M * N] fp32."""
@@ -195,23 +131,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_block_k(per_channel: bool, group: int) -> int | None:
-    """K tile of the one-row kernel, never wider than a group; None for groups under 64 (GGUF's g32), whose
-    tiles would be too short to stream well."""
-    if per_channel:
-        return GEMV.block_k
-    return min(GEMV.block_k, group) if group >= 64 else None
-
-
-def pick_config(m: int, n: int, k: int, device: torch.device, block_k: int | None = None) -> MatmulConfig:
-    """The one-row config for M = 1 when the format allows it (block_k from gemv_block_k), the skinny config for
-    decode-sized M, the GEMM config otherwise; K is split over programs until there are
+def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
+    """The skinny config for decode-sized M, the GEMM config otherwise; K is split over programs until there are
     about two per multiprocessor (a batch of 64 rows of a 4096-wide output is only 32 GEMM tiles: unsplit, it
     ran on a quarter of the H200 at a tenth of bf16's speed)."""
-    if m == 1 and block_k is not None:
-        cfg = MatmulConfig(1, GEMV.block_n, block_k, 1, GEMV.num_warps, GEMV.num_stages)
-    else:
-        cfg = GEMM if m > SKINNY_M else SKINNY
+    cfg = GEMM if m > SKINNY_M else SKINNY
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     k_tiles = triton.cdiv(k, cfg.block_k)
     target = 2 * _num_sms(device.index or 0) if device.type == "cuda" else 1
@@ -233,29 +157,19 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     if m == 0:
         return out.view(*lead, n)
     per_channel = not int4 and group >= k
-    cfg = config or pick_config(m, n, k, x.device, gemv_block_k(per_channel, group))
+    cfg = config or pick_config(m, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
-    if cfg.block_m == 1:
-        if not per_channel and cfg.block_k > group:
-            raise ValueError(f"the one-row kernel's K tile ({cfg.block_k}) must not exceed the group ({group})")
-        _quant_gemv_kernel[grid](
-            x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias, part,
-            n, k, scales.shape[1], k_per_split, x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
-            INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-            SPLIT=splits > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        _quant_matmul_kernel[grid](
-            x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias, part,
-            m, n, k, scales.shape[1], k_per_split,
-            x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
-            INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-            SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _quant_matmul_kernel[grid](
+        x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias, part,
+        m, n, k, scales.shape[1], k_per_split,
+        x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+        INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](part, out if bias is None else bias, out, m * n, n,

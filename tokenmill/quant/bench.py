@@ -7,20 +7,23 @@ prefill-sized M. The default shape is Llama-3-8B's down projection (4096 x 14336
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
-from tokenmill.kernels.triton_quant import pick_config, quant_linear
+from tokenmill.kernels.triton_quant import SKINNY_M, MatmulConfig, pick_config, quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
 FORMATS = ("int4-g128", "int4-g32", "int8")
 
 
-def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS) -> list[dict]:
-    """One row per format plus the bf16 baseline, for x [m, k] @ W[n, k].T."""
+def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune: bool = False) -> list[dict]:
+    """One row per format plus the bf16 baseline, for x [m, k] @ W[n, k].T; with tune, also the best tile
+    config found for each format."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     flops = 2 * m * n * k
@@ -33,16 +36,40 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS) -> l
                  + x.numel() * 2 + m * n * 2)
         args = (x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None)
         ms = median_ms(lambda args=args: quant_linear(*args))
-        rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms))
-        if m == 1:  # the tensor-core tile path the one-row kernel replaced, measured beside it
-            tiled = pick_config(m, n, k, x.device)
-            ms = median_ms(lambda args=args: quant_linear(*args, tiled))
-            rows.append(_row(f"{name} (16-row tile)", n, k, m, ms, moved, flops, bf16_ms))
+        rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, describe(pick_config(m, n, k, x.device))))
+        if tune:
+            best_ms, best = best_config(args, m, n, k)
+            rows.append(_row(f"{name} best", n, k, m, best_ms, moved, flops, bf16_ms, describe(best)))
     return rows
 
 
-def _row(kernel: str, n: int, k: int, m: int, ms: float, moved: int, flops: int, bf16_ms: float) -> dict:
-    return {"kernel": kernel, "shape": f"M={m} N={n} K={k}", "us": ms * 1e3, "GB/s": moved / ms / 1e6,
+def describe(cfg: MatmulConfig) -> str:
+    return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} split {cfg.split_k} warps {cfg.num_warps} "
+            f"stages {cfg.num_stages}")
+
+
+def best_config(args: tuple, m: int, n: int, k: int) -> tuple[float, MatmulConfig]:
+    """The fastest of a grid of decode tile shapes (split as pick_config would) for these arguments: what the
+    defaults should become."""
+    default = pick_config(m, n, k, args[0].device)
+    best: tuple[float, MatmulConfig] = (float("inf"), default)
+    for block_n, block_k, warps in itertools.product((16, 32, 64), (128, 256, 512), (4, 8)):
+        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, default.block_m)
+        split = max(1, min(triton.cdiv(2 * torch.cuda.get_device_properties(0).multi_processor_count, tiles),
+                           triton.cdiv(k, block_k), 16))
+        cfg = MatmulConfig(default.block_m, block_n, block_k, split, warps, num_stages=4)
+        try:
+            ms = median_ms(lambda cfg=cfg: quant_linear(*args, cfg))
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if ms < best[0]:
+            best = (ms, cfg)
+    return best
+
+
+def _row(kernel: str, n: int, k: int, m: int, ms: float, moved: int, flops: int, bf16_ms: float,
+         config: str = "") -> dict:
+    return {"kernel": kernel, "shape": f"M={m} N={n} K={k}", "config": config, "us": ms * 1e3, "GB/s": moved / ms / 1e6,
             "pct_of_hbm": 100 * moved / (ms * 1e-3) / HBM_BYTES_PER_S, "TFLOP/s": flops / ms / 1e9,
             "speedup_vs_bf16": bf16_ms / ms}
 
@@ -52,16 +79,17 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4096, help="output features (default: %(default)s)")
     parser.add_argument("--k", type=int, default=14336, help="input features (default: %(default)s)")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 2048], help="rows of x to time")
+    parser.add_argument("--tune", action="store_true", help="also search tile configs for decode-sized M (<= 16)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("the quant bench needs a CUDA GPU")
     torch.manual_seed(0)
-    rows = [r for m in args.m for r in bench_shape(args.n, args.k, m)]
-    print(f"{'kernel':<16} {'shape':<26} {'us':>9} {'GB/s':>8} {'%HBM':>6} {'TFLOP/s':>8} {'x bf16':>7}")
+    rows = [r for m in args.m for r in bench_shape(args.n, args.k, m, tune=args.tune and m <= SKINNY_M)]
+    print(f"{'kernel':<16} {'shape':<24} {'us':>8} {'GB/s':>7} {'%HBM':>5} {'TFLOP/s':>8} {'x bf16':>7}  config")
     for r in rows:
-        print(f"{r['kernel']:<16} {r['shape']:<26} {r['us']:>9.1f} {r['GB/s']:>8.0f} {r['pct_of_hbm']:>6.0f} "
-              f"{r['TFLOP/s']:>8.1f} {r['speedup_vs_bf16']:>7.2f}")
+        print(f"{r['kernel']:<16} {r['shape']:<24} {r['us']:>8.1f} {r['GB/s']:>7.0f} {r['pct_of_hbm']:>5.0f} "
+              f"{r['TFLOP/s']:>8.1f} {r['speedup_vs_bf16']:>7.2f}  {r['config']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
