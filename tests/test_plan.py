@@ -1,4 +1,4 @@
-"""The capacity planner against hand calculations (Llama-3-8B, Qwen3-8B) and its CLI."""
+"""The capacity planner against hand calculations (Llama-3-8B, the Qwen3 family) and its CLI."""
 import json
 
 import pytest
@@ -52,6 +52,49 @@ def test_qwen3_8b_by_hand():
     assert weight_bytes(c, "bf16") == 2 * 8_190_735_360
 
 
+def test_qwen3_14b_by_hand():
+    c = get_preset("qwen3-14b")
+    assert kv_bytes_per_token(c, "bf16") == 2 * 40 * 8 * 128 * 2 == 163840
+    assert kv_bytes_per_token(c, "fp8") == 81920
+    assert kv_bytes_per_token(c, "bf16", tp=2) == 2 * 40 * 4 * 128 * 2 == 81920
+    # untied embed + head 2 x 151936 x 5120; per layer q,o 5120 x (40 x 128 = 5120), k,v 5120 x (8 x 128), MLP
+    # 3 x 5120 x 17408, 2 norms of 5120 and the q/k norms of 128: 14.8 B, 13.2 B without embed and head (model card)
+    layer = 2 * 5120 * 5120 + 2 * 5120 * 1024 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128
+    params = 2 * 151936 * 5120 + 40 * layer + 5120
+    assert num_parameters(c) == params == 14_768_307_200
+    assert 40 * layer + 5120 == 13_212_482_560
+    assert weight_bytes(c, "bf16") == 2 * params == 29_536_614_400                   # 29.54 GB
+    # on 80 GiB: 77.31 GB usable - 29.54 GB weights - activations of a 2048-token step, 256 rows of float32 logits
+    # and probabilities, 1 GiB workspace
+    p = make_plan("qwen3-14b", c, 80 * GiB)
+    acts = 2048 * (4 * 5120 + 5120 + 2 * 1024 + 3 * 17408) * 2 + 2 * 256 * 151936 * 4 + GiB
+    blocks = (int(80 * GiB * 0.9) - 29_536_614_400 - acts) // (163840 * 16)
+    assert (p.activation_bytes, p.kv_blocks, p.kv_tokens) == (acts, blocks, blocks * 16) == (acts, 17570, 281120)
+    assert p.max_model_len == 40960 and p.max_concurrent_full == blocks // (40960 // 16) == 6 and p.fits
+
+
+def test_qwen3_family():
+    # (preset, layers, bf16 weight bytes); all have 8 KV heads of 128
+    family = [("qwen3-0.6b", 28, 1_192_099_840), ("qwen3-1.7b", 28, 3_441_149_952), ("qwen3-4b", 36, 8_044_936_192),
+              ("qwen3-8b", 36, 16_381_470_720), ("qwen3-14b", 40, 29_536_614_400), ("qwen3-32b", 64, 65_524_246_528)]
+    for name, layers, wbytes in family:
+        c = get_preset(name)
+        assert kv_bytes_per_token(c, "bf16") == 2 * layers * 8 * 128 * 2, name
+        assert weight_bytes(c, "bf16") == 2 * num_parameters(c) == wbytes, name
+    # 1.7B ties the LM head to the embedding: 3.44 GB, the size of its model.safetensors (untied would be 4.06 GB)
+    c = get_preset("qwen3-1.7b")
+    layer = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 6144 + 2 * 2048 + 2 * 128
+    assert num_parameters(c) == 151936 * 2048 + 28 * layer + 2048 == 1_720_574_976
+    # 32B: 64 heads x 128 = 8192 query features from a 5120-wide hidden state
+    c = get_preset("qwen3-32b")
+    layer = 2 * 5120 * 8192 + 2 * 5120 * 1024 + 3 * 5120 * 25600 + 2 * 5120 + 2 * 128
+    assert num_parameters(c) == 2 * 151936 * 5120 + 64 * layer + 5120 == 32_762_123_264   # 32.8 B (model card)
+    # one 80 GiB device holds the 65.5 GB of bf16 weights but not a 40960-token request; two ranks do
+    p = make_plan("qwen3-32b", c, 80 * GiB)
+    assert p.weight_bytes < p.usable_bytes and p.kv_tokens < 40960 and not p.fits and "max_model_len" in p.reason
+    assert make_plan("qwen3-32b", c, 80 * GiB, tp=2).fits
+
+
 def test_kv_heads_replicate_when_fewer_than_ranks():
     c = get_preset("qwen3-0.6b")                       # 16 heads, 8 KV heads
     assert kv_bytes_per_token(c, "bf16", tp=16) == 2 * 28 * 1 * 128 * 2
@@ -81,3 +124,33 @@ def test_cli(capsys):
     main(["plan", "--memory", "8GiB"])                                    # the default model's GGUF header
     out = capsys.readouterr().out
     assert "SmolLM2-135M-Instruct" in out and "23,040 B" in out          # 2 x 30 layers x 3 KV heads x 64 x 2 B
+
+
+def test_cli_checkpoint_folder(tmp_path, capsys):
+    """`--model <folder>` reads only config.json (no weights): the same numbers as the preset it describes."""
+    # tiny-llama's architecture in the keys transformers 5 writes (LlamaConfig(..., architectures=["LlamaForCausalLM"],
+    # dtype="float32").save_pretrained, less initializer_range, use_cache and the like): "dtype", "rope_parameters"
+    folder = tmp_path / "tiny-llama-ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "bos_token_id": 1,
+        "dtype": "float32", "eos_token_id": 2, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+        "intermediate_size": 128, "max_position_embeddings": 4096, "mlp_bias": False, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
+        "vocab_size": 256}))
+    main(["plan", "--model", str(folder), "--memory", "8GiB", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    main(["plan", "--model", "tiny-llama", "--memory", "8GiB", "--json"])
+    preset = json.loads(capsys.readouterr().out)
+    assert d["model"] == "tiny-llama-ckpt" and preset["model"] == "tiny-llama"
+    assert {k: v for k, v in d.items() if k != "model"} == {k: v for k, v in preset.items() if k != "model"}
+    # by hand: float32 from the config's dtype; KV 2 x 2 layers x 2 KV heads x 16 x 4 B
+    assert (d["weight_dtype"], d["kv_dtype"], d["kv_bytes_per_token"]) == ("fp32", "fp32", 2 * 2 * 2 * 16 * 4)
+    # embed + untied head 2 x 256 x 64; per layer q,o 64 x 64, k,v 64 x 32, MLP 3 x 64 x 128, 2 norms; final norm
+    params = 2 * 256 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    assert d["num_parameters"] == params == 106_816 and d["weight_bytes"] == 4 * params
+    assert d["max_model_len"] == 4096 and d["fits"]
+    main(["plan", "--model", str(folder), "--memory", "8GiB"])
+    out = capsys.readouterr().out
+    assert "tiny-llama-ckpt (LlamaForCausalLM" in out and "512 B (fp32: 2 x 2 layers x 2 KV heads x (16 x 4 B))" in out

@@ -143,7 +143,8 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: int | None = None      # bytes for the KV pool; default: 1 GiB on CPU
+    kv_cache_memory: int | None = None      # bytes for the KV pool; default: 512 MiB on CPU
+    kv_cache_tokens: int | None = None      # or the pool as a number of tokens (SGLang's max_total_tokens)
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -178,6 +179,11 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must hold at least one block of {self.block_size} tokens, "
+                             f"got {self.kv_cache_tokens}")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory is not None:
+            raise ValueError("give the KV pool as kv_cache_memory (bytes) or kv_cache_tokens, not both")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):

@@ -82,6 +82,22 @@ def test_aging_lets_old_low_priority_requests_in():
     assert [s.request.request_id for s in out.scheduled] == ["old"]
 
 
+def test_an_aged_running_request_is_not_preempted_for_a_less_urgent_newcomer():
+    """Preemption ranks by the same aged priority as admission: a low-priority request that has waited long
+    enough to outrank a fresh urgent one keeps running (before, it was preempted, admitted again in the same
+    step ahead of the newcomer, and preempted again on every step while the newcomer never ran)."""
+    sch, kv = make(policy="priority", max_num_seqs=1, priority_aging_s=0.01)
+    old = Request("old", [1] * 10, SamplingParams(max_tokens=50), priority=5, arrival_time=time.monotonic() - 1.0)
+    sch.add_request(old)
+    step(sch)
+    new = Request("new", [2] * 10, SamplingParams(max_tokens=2), priority=0)
+    sch.add_request(new)
+    for _ in range(5):
+        out = step(sch)
+        assert out.preempted == [] and [s.request.request_id for s in out.scheduled] == ["old"]
+    assert sch.stats.num_preemptions == 0 and new.status == RequestStatus.WAITING
+
+
 def test_deadline_aborts_and_frees_blocks():
     sch, kv = make()
     r = Request("slow", [1] * 40, SamplingParams(max_tokens=1000), timeout_s=0.05)

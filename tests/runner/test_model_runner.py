@@ -1,4 +1,5 @@
 """How the model runner sizes the KV pool."""
+import pytest
 import torch
 
 from tokenmill.engine.llm_engine import LLMEngine
@@ -22,3 +23,13 @@ def test_pool_follows_the_budget_below_that():
     e = engine(kv_cache_memory=1 << 16, max_num_seqs=64, max_model_len=1024)
     per_block = kv_bytes_per_token(e.model_config, torch.float32) * 16
     assert e.runner.num_blocks == (1 << 16) // per_block < 1 + 64 * 64
+
+
+def test_pool_given_in_tokens():
+    """kv_cache_tokens: enough blocks for that many tokens over all requests, whatever the budget in bytes."""
+    e = engine(kv_cache_tokens=100, max_num_seqs=4, max_model_len=64)
+    assert e.get_stats()["num_blocks_total"] == 7  # 7 blocks of 16 hold the 100 tokens
+    with pytest.raises(ValueError, match="not both"):
+        engine(kv_cache_tokens=100, kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match="at least one block"):
+        engine(kv_cache_tokens=8)

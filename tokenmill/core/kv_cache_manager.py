@@ -4,12 +4,15 @@ Block 0 is a reserved null block (padding in block tables); it is never handed o
 A block is *free* (ref_cnt 0, in the free queue, maybe still holding a reusable hash) or *in use*
 (ref_cnt >= 1, owned by that many requests). The free queue is the LRU list: blocks are taken from its
 front, and a cached block is evicted (its hash dropped) only when taken. Full blocks are identified by
-a chained hash of (parent hash, token ids); a hit is confirmed by comparing the token ids.
+a chained hash of (parent hash, token ids); a hit is confirmed without trusting the hash: the block's token ids
+must match, and so must its parent, named by the unique id of the caching of the block before it (so a hash
+collision anywhere in the chain cannot splice two prefixes together).
 Only full blocks are ever shared, and a full block is never written again, so sharing needs no copy:
 the partial last block of each request is always its own.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,6 +25,8 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    cache_id: int | None = None         # unique per caching of this block; None while it holds no hash
+    parent_cache_id: int | None = None  # cache_id of the previous block of the prefix when this one was cached
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -38,6 +43,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[int, KVCacheBlock] = {}
+        self._cache_ids = itertools.count()
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,7 +63,7 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
-                block.block_hash, block.token_ids = None, None
+                block.block_hash, block.token_ids, block.cache_id = None, None, None
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -75,16 +81,21 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None) -> KVCacheBlock | None:
+        """The cached block holding token_ids right after parent (the previous hit; None for a first block)."""
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != token_ids:
             return None
+        if block.parent_cache_id != (None if parent is None else parent.cache_id):
+            return None
         return block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...],
+                    parent: KVCacheBlock | None) -> None:
         if block.block_hash is not None or block_hash in self.cached:
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.token_ids, block.cache_id = block_hash, token_ids, next(self._cache_ids)
+        block.parent_cache_id = None if parent is None else parent.cache_id
         self.cached[block_hash] = block
 
 
@@ -136,7 +147,8 @@ class KVCacheManager:
         hashes = self._block_hashes(request, max_blocks)
         hits: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            block = self.pool.lookup(hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+            block = self.pool.lookup(hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]),
+                                     hits[-1] if hits else None)
             if block is None:
                 break
             hits.append(block)
@@ -173,7 +185,10 @@ class KVCacheManager:
         hashes = self._block_hashes(request, num_full)
         bs = self.block_size
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+            parent = blocks[i - 1] if i else None
+            if parent is not None and parent.cache_id is None:
+                break  # that block is a twin of one another request cached first; that chain goes on, not this
+            self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]), parent)
         self.num_cached_blocks[request.request_id] = num_full
 
     def reserve_slots(self, request: Request, num_tokens: int, keep_free: int = 0) -> bool:
@@ -210,7 +225,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         for block in self.pool.free_queue.values():
-            block.block_hash, block.token_ids = None, None
+            block.block_hash, block.token_ids, block.cache_id = None, None, None
         self.pool.cached = {h: b for h, b in self.pool.cached.items() if b.ref_cnt > 0}
 
     def check_invariants(self) -> None:
@@ -227,4 +242,4 @@ class KVCacheManager:
             in_use += b.ref_cnt > 0
         assert self.pool.num_free_blocks + in_use == self.usable_blocks
         for h, b in self.pool.cached.items():
-            assert b.block_hash == h
+            assert b.block_hash == h and b.cache_id is not None

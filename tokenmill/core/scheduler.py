@@ -94,17 +94,21 @@ class Scheduler:
         self.waiting.append(request)
 
     # ---- one step --------------------------------------------------------------------------
-    def _waiting_order(self, now: float) -> list[Request]:
+    def _urgency(self, request: Request, now: float) -> tuple[float, float]:
+        """Sort key, most urgent first: arrival (fcfs), or priority lowered by one per priority_aging_s waited
+        (priority), then arrival. Admission and preemption use the same key, so a request preempted for another
+        never outranks it on the way back in."""
         if self.config.policy == "fcfs":
-            return sorted(self.waiting, key=lambda r: r.arrival_time)
-        aging = self.config.priority_aging_s
-        return sorted(self.waiting, key=lambda r: (r.priority - (now - r.arrival_time) // aging, r.arrival_time))
+            return (0.0, request.arrival_time)
+        aged = request.priority - (now - request.arrival_time) // self.config.priority_aging_s
+        return (aged, request.arrival_time)
 
-    def _victim(self, candidates: list[Request]) -> Request:
-        """Whom to preempt: the newest (fcfs) or the least urgent, then newest (priority)."""
-        if self.config.policy == "fcfs":
-            return max(candidates, key=lambda r: r.arrival_time)
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+    def _waiting_order(self, now: float) -> list[Request]:
+        return sorted(self.waiting, key=lambda r: self._urgency(r, now))
+
+    def _victim(self, candidates: list[Request], now: float) -> Request:
+        """Whom to preempt: the least urgent (fcfs: the newest)."""
+        return max(candidates, key=lambda r: self._urgency(r, now))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -159,7 +163,7 @@ class Scheduler:
                 if num_spec:  # speculation never costs a preemption: drop the drafts first
                     num_spec, req.spec_token_ids = 0, []
                     continue
-                victim = self._victim([r for r in self.running if r.request_id not in scheduled_ids])
+                victim = self._victim([r for r in self.running if r.request_id not in scheduled_ids], now)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -211,8 +215,8 @@ class Scheduler:
         head = self._waiting_order(now)[0]
         need = self.kv_cache.blocks_needed(min(head.num_tokens, self.config.max_num_batched_tokens) + 1)
         while self.kv_cache.num_free_blocks < need or len(self.running) >= self.config.max_num_seqs:
-            victim = self._victim(self.running)
-            if victim.priority <= head.priority:
+            victim = self._victim(self.running, now)
+            if self._urgency(victim, now)[0] <= self._urgency(head, now)[0]:
                 return
             self._preempt(victim)
             out.preempted.append(victim)

@@ -18,7 +18,9 @@ _HELP = {
     "seed": "seed of the engine's random generator",
     "max_model_len": "maximum context (prompt + output) per request",
     "block_size": "tokens per KV cache block",
-    "kv_cache_memory": "bytes for the KV cache pool (default 1 GiB on CPU)",
+    "kv_cache_memory": "bytes for the KV cache pool (default 512 MiB on CPU; on CUDA what "
+                       "gpu_memory_utilization leaves)",
+    "kv_cache_tokens": "the KV cache pool as a number of tokens (all requests together), instead of bytes",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights + activations + KV)",
     "num_gpu_blocks_override": "fix the number of KV blocks",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",

@@ -17,14 +17,37 @@ PRESETS: dict[str, ModelConfig] = {
         num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_id=[128001, 128009], torch_dtype="bfloat16"),
+    # The dense Qwen3 family, from the config.json of Qwen/Qwen3-<size>: head_dim 128 and 8 KV heads throughout,
+    # the LM head tied to the embedding up to 4B.
     "qwen3-0.6b": ModelConfig(
         architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
         bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
+    "qwen3-1.7b": ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
+        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
+    "qwen3-4b": ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
+        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
     "qwen3-8b": ModelConfig(
         architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
+        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
+    "qwen3-14b": ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
+        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
+        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
+    # 64 x 128 = 8192 query features from a 5120-wide hidden state (head_dim is not hidden / heads)
+    "qwen3-32b": ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+        num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
         bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
     # Mistral-7B v0.3: no sliding window, 32768-token vocabulary.

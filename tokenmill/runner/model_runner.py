@@ -92,6 +92,8 @@ class ModelRunner:
         per_block = (kv_bytes_per_token(self.config, self.kv_dtype) + self.extra_kv_bytes_per_token) * self.block_size
         if self.args.num_gpu_blocks_override:
             return self.args.num_gpu_blocks_override
+        if self.args.kv_cache_tokens is not None:
+            return 1 + -(-self.args.kv_cache_tokens // self.block_size)  # the null block is not for tokens
         if self.args.kv_cache_memory is not None:
             budget = self.args.kv_cache_memory
         elif self.device.type == "cuda":
