@@ -18,13 +18,22 @@ def make_scheduler(num_blocks=64, block_size=4, caching=True, **kw):
     return Scheduler(SchedulerConfig(**cfg), kv), kv
 
 
+def policy_key(sch, req):
+    """The order a policy admits in (aging is 10 s; a run takes well under a second, so it never applies)."""
+    return req.arrival_time if sch.config.policy == "fcfs" else (req.priority, req.arrival_time)
+
+
 def run_random(seed, caching, policy="fcfs", steps_limit=20000):
+    """Returns the scheduler, the cache manager and counts of what the run went through."""
     rng = random.Random(seed)
-    sch, kv = make_scheduler(caching=caching, policy=policy,
-                             long_prefill_token_threshold=rng.choice([0, 24]))
+    threshold = rng.choice([0, 24])
+    max_num_seqs = rng.choice([4, 8])
+    sch, kv = make_scheduler(caching=caching, policy=policy, long_prefill_token_threshold=threshold,
+                             max_num_seqs=max_num_seqs)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(5)]
     added, n_req = 0, 300
     finished = set()
+    seen = {"peak_running": 0, "preempt_and_admit_steps": 0}
     steps = 0
     while added < n_req or sch.num_unfinished:
         for _ in range(rng.randrange(0, 4)):
@@ -36,14 +45,28 @@ def run_random(seed, caching, policy="fcfs", steps_limit=20000):
                 req = Request(f"r{added}", prompt, params, priority=rng.randrange(3), timeout_s=timeout)
                 sch.add_request(req)
                 added += 1
+        was_running = set(r.request_id for r in sch.running)
         out = sch.schedule()
         kv.check_invariants()
+        assert len(sch.running) <= max_num_seqs
+        seen["peak_running"] = max(seen["peak_running"], len(sch.running))
         finished.update(r.request_id for r in out.timed_out)
         for s in out.scheduled:
             assert s.num_new_tokens >= 1
             assert len(kv.req_to_blocks[s.request.request_id]) * kv.block_size >= \
                 s.request.num_computed_tokens + s.num_new_tokens
         assert out.num_prefill_tokens + out.num_decode_tokens <= 64
+        # admission takes the head of the policy's order: no request left waiting goes before one admitted,
+        # unless it is a long prompt held back by the long-prefill cap
+        preempted = {r.request_id for r in out.preempted}
+        admitted = [s.request for s in out.scheduled
+                    if s.request.request_id not in was_running or s.request.request_id in preempted]
+        for a in admitted:
+            for w in sch.waiting:
+                if not threshold or w.num_tokens <= threshold:
+                    assert policy_key(sch, w) >= policy_key(sch, a), (a, w)
+        if out.preempted and admitted:
+            seen["preempt_and_admit_steps"] += 1
         sampled = {s.request.request_id: rng.randrange(50) for s in out.scheduled if s.samples}
         sch.update_from_output(out, sampled)
         for s in out.scheduled:
@@ -56,26 +79,34 @@ def run_random(seed, caching, policy="fcfs", steps_limit=20000):
             sch.abort_request(rid)
             finished.add(rid)
         kv.check_invariants()
+        assert len(sch.running) <= max_num_seqs
         steps += 1
         assert steps < steps_limit, "scheduler stalled"
     assert len(finished) == n_req
     assert sch.stats.num_timeouts > 0
     assert kv.num_free_blocks == kv.usable_blocks
     assert not kv.req_to_blocks
-    return sch, kv
+    assert seen["peak_running"] == max_num_seqs, "the workload never reached max_num_seqs: the cap went untested"
+    return sch, kv, seen
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("caching", [True, False])
 def test_random_workload_accounts_every_block(seed, caching):
-    sch, kv = run_random(seed, caching)
+    sch, kv, seen = run_random(seed, caching)
     if caching:
         assert kv.prefix_hits > 0
+    # fcfs only preempts when running requests run out of blocks, and then admits nobody that step
+    assert seen["preempt_and_admit_steps"] == 0
 
 
 def test_priority_policy_random():
-    sch, kv = run_random(7, True, policy="priority")
-    assert sch.stats.num_preemptions >= 0
+    """The workload is under memory pressure (preemptions happen and every request still ends), and urgent
+    waiting requests really preempt less urgent running ones and are admitted in their place."""
+    sch, kv, seen = run_random(7, True, policy="priority")
+    assert sch.stats.num_preemptions > 0
+    assert not sch.requests and sch.num_unfinished == 0
+    assert seen["preempt_and_admit_steps"] > 0
 
 
 def test_preemption_when_blocks_run_out():
