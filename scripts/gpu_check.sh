@@ -64,7 +64,7 @@ tp() {  # a hang becomes an error with a traceback; ranks left behind by a kille
     step "tp tests" "$PY" -m pytest tests/engine/test_tensor_parallel.py -x -v -k gpus --durations=0
     pkill -9 -f multiprocessing.spawn
     step "latency tp" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
-        --sweep tensor_parallel_size=1,2 --out "$OUT_DIR/latency_tp.json"
+        --sweep tensor_parallel_size=1,2 async_scheduling=false,true --out "$OUT_DIR/latency_tp.json"
     pkill -9 -f multiprocessing.spawn
     step "profile tp" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --tensor-parallel-size 2 --batch-sizes 1 64 \
         --max-num-seqs 64 --verify-query-lens --out "$OUT_DIR/profile_tp.json"

@@ -107,6 +107,12 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x, in place on every rank, over the model's group (on the device, in stream order)."""
+    dist.broadcast(x, src=0)
+    return x
+
+
 def broadcast_object(obj: object | None) -> object:
     """Rank 0 sends a picklable object (a step's batch description) to every rank over the control group."""
     box = [obj]

@@ -117,6 +117,20 @@ def test_tp2_ngram_speculation_keeps_greedy_tokens(tiny_dirs: dict[str, str]) ->
     llm.llm_engine.shutdown()
 
 
+def test_tp2_async_scheduling_equals_tp1(tiny_dirs: dict[str, str]) -> None:
+    """Steps launched before the previous step's tokens are read back: rank 0 broadcasts the sampled tokens on
+    the device and the workers feed them to the next input as rank 0 does (greedy and seeded sampling)."""
+    params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True), GREEDY]
+    want = tokens(LLM(tiny_dirs["llama"], **ENGINE), PROMPTS, params)
+    llm = LLM(tiny_dirs["llama"], tensor_parallel_size=2, async_scheduling=True, **ENGINE)
+    runner, launches = llm.llm_engine.runner, []
+    launch = runner.launch
+    runner.launch = lambda *a: launches.append(1) or launch(*a)
+    assert tokens(llm, PROMPTS, params) == want
+    assert len(launches) >= 10  # the decode steps went ahead
+    llm.llm_engine.shutdown()
+
+
 def test_default_model_tp3_equals_tp1(chat_prompt_ids: list[list[int]]) -> None:
     """SmolLM2-135M has 9 attention heads and 3 KV heads: 3 ranks is the split it allows."""
     kw = dict(dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)

@@ -248,9 +248,9 @@ class LLMEngine:
 
     def _can_launch_ahead(self, out: SchedulerOutput) -> bool:
         """Async scheduling, for a step that reads no token value on the host: no speculation (drafts are built
-        from the tokens), one rank (the other ranks get token ids from rank 0's host), no penalties (the
-        sampler counts earlier tokens on the host) and no logprobs (read back with the logits)."""
-        if not self.args.async_scheduling or self.spec is not None or self.workers is not None:
+        from the tokens), no penalties (the sampler counts earlier tokens on the host) and no logprobs (read back
+        with the logits). Under tensor parallelism rank 0 broadcasts the sampled tokens on the device."""
+        if not self.args.async_scheduling or self.spec is not None:
             return False
         return not any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                        or p.logprobs is not None for p in (s.request.sampling_params for s in out.scheduled))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineArgs
-from tokenmill.distributed import broadcast_object, destroy_tp_group, gather_object, init_tp_group
+from tokenmill.distributed import broadcast_object, broadcast_tensor, destroy_tp_group, gather_object, init_tp_group
 from tokenmill.engine.devices import pick_device, pick_dtype, share_cpu_threads
 from tokenmill.model.loader import load_model, load_model_config, resolve_model
 from tokenmill.runner.model_runner import ModelInput, ModelRunner
@@ -54,11 +54,17 @@ def build_runner(args: EngineArgs, device: torch.device) -> ModelRunner:
 
 
 def replay(runner: ModelRunner) -> None:
-    """Run rank 0's messages until it shuts down; a lost or silent rank 0 raises from the collective."""
+    """Run rank 0's messages until it shuts down; a lost or silent rank 0 raises from the collective. Under
+    async scheduling a step's input may take tokens rank 0 sampled at the step before, which it broadcasts on
+    the device right after sampling them."""
+    sampled: torch.Tensor | None = None
     while True:
         msg = broadcast_object(None)
         if isinstance(msg, ModelInput):
-            runner.forward(msg)
+            pending = None if msg.pending_rows is None else (msg.pending_rows, msg.pending_src, sampled)
+            runner.forward(msg, pending)
+            if msg.shares_sampled and len(msg.sample_rows):
+                sampled = broadcast_tensor(torch.empty(len(msg.sample_rows), dtype=torch.long, device=runner.device))
         elif isinstance(msg, CollectiveRPC):
             gather_object(msg.fn(runner))
         elif msg == SHUTDOWN:

@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.config import EngineArgs, ModelConfig
 from tokenmill.core.scheduler import SchedulerOutput
-from tokenmill.distributed import all_reduce_min, broadcast_object, tp_size
+from tokenmill.distributed import all_reduce_min, broadcast_object, broadcast_tensor, tp_size
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
 from tokenmill.layers.linear import kv_heads_per_rank
 from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare_fp8_kv
@@ -60,6 +60,11 @@ class ModelInput:
     sample_rows: np.ndarray      # rows whose logits are sampled, int64
     max_query_len: int
     max_seq_len: int
+    # async scheduling under tensor parallelism: the input rows whose token the previous step sampled on rank 0
+    # and the rows of that step's tokens they take, and whether rank 0 broadcasts this step's sampled tokens
+    pending_rows: list[int] | None = None
+    pending_src: list[int] | None = None
+    shares_sampled: bool = False
 
 
 class ModelRunner:
@@ -197,10 +202,12 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, block_ids: list[list[int]], prev: LaunchedStep | None) -> LaunchedStep:
         """Forward and sample one step without reading the tokens back (async scheduling). Tokens of `prev` that
         the host has not seen yet are fed to this step's input on the device."""
-        logits = self.compute_logits(out, block_ids, prev)
+        logits = self.compute_logits(out, block_ids, prev, shares_sampled=True)
         reqs = [s.request for s in out.scheduled if s.samples]
         tokens = torch.empty(0, dtype=torch.long, device=self.device) if logits is None else \
             self.sampler.sample(logits, reqs)[0]
+        if self.tp_size > 1 and len(reqs):
+            broadcast_tensor(tokens)  # the other ranks feed them to the next step's input, as this one does
         if self.device.type != "cuda":
             return LaunchedStep(reqs, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -216,14 +223,19 @@ class ModelRunner:
         return step.host_tokens.tolist()
 
     @torch.inference_mode()
-    def compute_logits(self, out: SchedulerOutput, block_ids: list[list[int]],
-                       prev: LaunchedStep | None = None) -> torch.Tensor | None:
-        """Forward one step; the logits of the rows to sample, None if there are none."""
+    def compute_logits(self, out: SchedulerOutput, block_ids: list[list[int]], prev: LaunchedStep | None = None,
+                       shares_sampled: bool = False) -> torch.Tensor | None:
+        """Forward one step; the logits of the rows to sample, None if there are none. shares_sampled: the caller
+        broadcasts the tokens it samples from them to the other tensor-parallel ranks (async scheduling)."""
         if tp_size() != self.tp_size:
             raise RuntimeError(f"this runner was built for {self.tp_size} tensor-parallel rank(s) but the process now "
                                f"runs a group of {tp_size()}: one engine at a time when tensor parallelism is on")
         batch = self.prepare_input(out, block_ids)
-        return self.forward_all_ranks(batch, None if prev is None else pending_inputs(out, batch, prev))
+        pending = None if prev is None else pending_inputs(out, batch, prev)
+        if pending is not None:
+            batch.pending_rows, batch.pending_src = pending[0], pending[1]
+        batch.shares_sampled = shares_sampled
+        return self.forward_all_ranks(batch, pending)
 
     def forward_all_ranks(self, batch: ModelInput, pending: PendingInputs | None = None) -> torch.Tensor | None:
         """forward() here, and on every other tensor-parallel rank (engine/tp_worker.py replays the batch)."""
