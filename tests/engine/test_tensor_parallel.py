@@ -271,3 +271,7 @@ def test_tp2_equals_tp1_on_gpus(model: str, tiny_dirs: dict[str, str]) -> None:
     assert llm.llm_engine.runner.graphs is not None
     assert tokens(llm, prompts, params) == want
     llm.llm_engine.shutdown()
+    if model == "tiny":  # sampled tokens broadcast on the device, fed to the next step inside its graph
+        llm = LLM(tensor_parallel_size=2, async_scheduling=True, **kw)
+        assert tokens(llm, prompts, params) == want
+        llm.llm_engine.shutdown()
