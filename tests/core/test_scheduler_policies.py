@@ -98,6 +98,20 @@ def test_an_aged_running_request_is_not_preempted_for_a_less_urgent_newcomer():
     assert sch.stats.num_preemptions == 0 and new.status == RequestStatus.WAITING
 
 
+def test_when_blocks_run_short_the_less_urgent_running_request_yields():
+    """Under priority, running requests are served most urgent first, so the urgent one never loses its blocks
+    to a less urgent one admitted earlier (before: the urgent one was preempted, then preempted the other
+    on the next step and recomputed its prompt)."""
+    sch, kv = make(num_blocks=8, block_size=4, policy="priority", max_num_batched_tokens=64, max_model_len=64)
+    low = Request("low", [1] * 10, SamplingParams(max_tokens=15), priority=2)
+    sch.add_request(low)
+    step(sch)
+    high = Request("high", [2] * 10, SamplingParams(max_tokens=15), priority=0)
+    sch.add_request(high)
+    preempted = [r.request_id for _ in range(8) for r in step(sch).preempted]
+    assert preempted == ["low"] and high.num_preemptions == 0 and high.num_output_tokens == 8
+
+
 def test_deadline_aborts_and_frees_blocks():
     sch, kv = make()
     r = Request("slow", [1] * 40, SamplingParams(max_tokens=1000), timeout_s=0.05)

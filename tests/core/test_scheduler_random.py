@@ -45,7 +45,7 @@ def run_random(seed, caching, policy="fcfs", steps_limit=20000):
                 req = Request(f"r{added}", prompt, params, priority=rng.randrange(3), timeout_s=timeout)
                 sch.add_request(req)
                 added += 1
-        was_running = set(r.request_id for r in sch.running)
+        was_running = {r.request_id for r in sch.running}
         out = sch.schedule()
         kv.check_invariants()
         assert len(sch.running) <= max_num_seqs
@@ -93,7 +93,7 @@ def run_random(seed, caching, policy="fcfs", steps_limit=20000):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("caching", [True, False])
 def test_random_workload_accounts_every_block(seed, caching):
-    sch, kv, seen = run_random(seed, caching)
+    _, kv, seen = run_random(seed, caching)
     if caching:
         assert kv.prefix_hits > 0
     # fcfs only preempts when running requests run out of blocks, and then admits nobody that step
@@ -103,7 +103,7 @@ def test_random_workload_accounts_every_block(seed, caching):
 def test_priority_policy_random():
     """The workload is under memory pressure (preemptions happen and every request still ends), and urgent
     waiting requests really preempt less urgent running ones and are admitted in their place."""
-    sch, kv, seen = run_random(7, True, policy="priority")
+    sch, _, seen = run_random(7, True, policy="priority")
     assert sch.stats.num_preemptions > 0
     assert not sch.requests and sch.num_unfinished == 0
     assert seen["preempt_and_admit_steps"] > 0

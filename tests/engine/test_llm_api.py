@@ -7,11 +7,19 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.scheduler import QueueFullError
+from tokenmill.request import RequestStatus
 
 
 @pytest.fixture(scope="module")
 def llm():
     return LLM(dtype="float32", max_model_len=512, max_queue_len=64)
+
+
+@pytest.fixture(scope="module")
+def small_llm():
+    """Prefill chunks of 16 tokens and a pool of 8 blocks of 16: a long prompt takes several steps, and a few
+    requests of ~60 + 20 tokens cannot all run at once."""
+    return LLM(dtype="float32", max_model_len=256, max_num_batched_tokens=16, num_gpu_blocks_override=9)
 
 
 def prompt(llm, text):
@@ -40,6 +48,9 @@ def test_seed_gives_same_output_whatever_the_batch(llm):
 
 
 def test_n_samples_share_prompt_blocks(llm):
+    """n samples reuse the prompt's full blocks through the prefix cache; while they run, those blocks are one set
+    referenced by every sample, and the last, partial block (prompt tail, then each sample's own tokens) is a
+    different block for each sample, since a shared block is never written."""
     engine = llm.llm_engine
     p = prompt(llm, "Name a fruit. " * 8)
     hits_before = engine.kv_cache.prefix_hits
@@ -48,6 +59,23 @@ def test_n_samples_share_prompt_blocks(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     full_blocks = (len(p) - 1) // engine.kv_cache.block_size
     assert engine.kv_cache.prefix_hits - hits_before >= 3 * full_blocks * engine.kv_cache.block_size
+    assert len(p) % engine.kv_cache.block_size  # the prompt ends inside a block
+    rid = engine.add_request(None, p, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
+    children = engine.groups[rid].children
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if any(c.is_finished for c in children):
+            continue
+        tables = [engine.kv_cache.get_block_ids(c.request_id) for c in children]
+        assert all(t[:full_blocks] == tables[0][:full_blocks] for t in tables)
+        assert all(engine.kv_cache.pool.blocks[b].ref_cnt == 4 for b in tables[0][:full_blocks])
+        assert len({t[-1] for t in tables}) == 4
+        tails = [b for t in tables for b in t[full_blocks:]]
+        assert len(tails) == len(set(tails))
+        checked += 1
+    assert checked == 7  # every step but the last, which ends all four
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks
 
 
 def test_stop_strings_are_never_leaked(llm):
@@ -59,7 +87,7 @@ def test_stop_strings_are_never_leaked(llm):
     assert out.text == full[: full.index(cut)]
     assert out.finish_reason == "stop" and out.stop_reason == cut
     engine = llm.llm_engine
-    rid = engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=20, stop=[cut]))
+    engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=20, stop=[cut]))
     streamed = ""
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -103,6 +131,69 @@ def test_abort_frees_blocks_in_every_state(llm):
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks
+    engine.kv_cache.check_invariants()
+
+
+def run_to_end(engine, outs):
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    return outs
+
+
+def test_abort_mid_prefill_chunk_frees_blocks(small_llm):
+    """A request aborted between two chunks of its prompt gives its blocks back at once, and the request
+    waiting behind it still runs to the end."""
+    engine = small_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("chunked", prompt(small_llm, "Tell me everything about the history of Rome. " * 3), params)
+    engine.add_request("other", prompt(small_llm, "Say yes."), params)
+    outs = {o.request_id: o for o in engine.step()}
+    req = engine.groups["chunked"].children[0]
+    assert req.status == RequestStatus.RUNNING and 0 < req.num_computed_tokens < req.num_prompt_tokens
+    stats = engine.get_stats()
+    assert stats["num_blocks_free"] < stats["num_blocks_total"]
+    engine.abort_request("chunked")
+    stats = engine.get_stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"] and stats["num_running"] == 0
+    run_to_end(engine, outs)
+    assert outs["chunked"].outputs[0].finish_reason == "abort" and outs["chunked"].outputs[0].token_ids == []
+    assert outs["other"].outputs[0].finish_reason == "length" and len(outs["other"].outputs[0].token_ids) == 8
+    stats = engine.get_stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    engine.kv_cache.check_invariants()
+
+
+def test_abort_while_preempted_frees_blocks(small_llm):
+    """Three requests that cannot fit the pool together: one is preempted (back in the waiting queue, no
+    blocks); aborting it there leaves every block free once the other two have run to the end."""
+    engine = small_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    topics = ["the history of Rome", "how bread is baked", "the planets of the solar system"]
+    ids = [f"pre{i}" for i in range(3)]
+    for rid, topic in zip(ids, topics):
+        engine.add_request(rid, prompt(small_llm, f"Tell me everything about {topic}. " * 3), params)
+    outs, victim = {}, None
+    for _ in range(300):
+        for o in engine.step():
+            outs[o.request_id] = o
+        preempted = [rid for rid in ids if rid in engine.groups
+                     and engine.groups[rid].children[0].status == RequestStatus.PREEMPTED]
+        if preempted:
+            victim = preempted[0]
+            break
+    assert victim is not None, "no request was preempted"
+    assert engine.get_stats()["num_preempted_waiting"] >= 1
+    assert engine.kv_cache.get_block_ids(victim) == []
+    engine.abort_request(victim)
+    run_to_end(engine, outs)
+    assert outs[victim].outputs[0].finish_reason == "abort"
+    for rid in ids:
+        if rid != victim:
+            assert outs[rid].outputs[0].finish_reason == "length" and len(outs[rid].outputs[0].token_ids) == 20
+    stats = engine.get_stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert stats["num_running"] == stats["num_waiting"] == 0
     engine.kv_cache.check_invariants()
 
 

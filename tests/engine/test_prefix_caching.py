@@ -79,8 +79,8 @@ def test_random_shared_prefixes_same_greedy_tokens():
     priorities = [rng.randrange(3) for _ in range(n)]
     arrive_at = sorted(rng.randrange(30) for _ in range(n))
     abort_at = {i: arrive_at[i] + rng.randrange(4) for i in rng.sample(range(n), 6)}
-    kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
-              scheduling_policy="priority", num_gpu_blocks_override=48)
+    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 8,
+          "scheduling_policy": "priority", "num_gpu_blocks_override": 48}
     llm_c = LLM(**kw)
     llm_p = LLM(**kw, enable_prefix_caching=False)
     a = run_workload(llm_c, prompts, priorities, arrive_at, abort_at)

@@ -140,6 +140,8 @@ class Scheduler:
         if self.config.policy == "priority":
             self._preempt_for_urgent(now, out)
         num_urgent_preempted = len(out.preempted)
+        if self.config.policy == "priority":  # most urgent first: when blocks run short, a less urgent one yields
+            self.running.sort(key=lambda r: self._urgency(r, now))
         budget = self.config.max_num_batched_tokens
         long_slots = [self.config.max_long_partial_prefills]
         scheduled_ids: set[str] = set()
@@ -186,9 +188,10 @@ class Scheduler:
         return out
 
     def _admit(self, now: float, budget: int, long_slots: list[int], out: SchedulerOutput) -> None:
+        preempted = {r.request_id for r in out.preempted}  # made room for a more urgent one this step
         for req in self._waiting_order(now):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or req.request_id in preempted:
+                break  # nothing at or below the urgency of a request just preempted gets in this step
             computed, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = self._cap(req.num_tokens - num_hit, budget, long_slots)
             if num_new <= 0:
