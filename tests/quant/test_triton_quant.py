@@ -4,6 +4,8 @@ cache write and attention, the fp8 cache through the float kernels, and the defa
 (CUDA graphs on): INT4 g128 GPTQ KL, greedy text with every weight / KV combination."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,21 @@ def test_matmul_configs(cfg: MatmulConfig, fmt: str) -> None:
         want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, 1000, f.group(1000), None)
         got = quant_linear(x, qw.qweight, qw.scales, qw.mins, 1000, f.group(1000), None, cfg)
         assert got.shape == (2, m, 300) and rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g128"])
+def test_bit_dequant_matches_twin(fmt: str, dtype: torch.dtype) -> None:
+    """INT4 nibbles turned into floats by bit tricks (no int-to-float conversion), both tile shapes."""
+    f = QuantFormat.parse(fmt)
+    qw = quantize(torch.randn(300, 1000, device="cuda") * 0.05, f)
+    for cfg in (SKINNY, GEMM):
+        for m in (1, 16, 64):
+            x = torch.randn(m, 1000, device="cuda", dtype=dtype)
+            want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, 1000, f.group(1000), None)
+            got = quant_linear(x, qw.qweight, qw.scales, qw.mins, 1000, f.group(1000), None,
+                               dataclasses.replace(cfg, bit_dequant=True))
+            assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def _int8_cache(cache: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ nibble, against two x tiles loaded at those columns. Per-channel INT8 scales the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,6 +30,10 @@ class MatmulConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # INT4 only: nibbles become floats by setting them as the low mantissa bits of a power of two whose ulp is 1
+    # (then subtracting it), and scale and min are applied in the compute dtype: no int-to-float conversion per
+    # weight. Off until measured on a GPU (`python -m tokenmill.quant.bench --tune` times both).
+    bit_dequant: bool = False
 
 
 # `python -m tokenmill.quant.bench --tune` searches tile shapes. SKINNY is its best for M = 1 on the H200
@@ -41,17 +46,31 @@ GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
 
 @triton.jit
 def _group_param(ptr, row_off, n_mask, k0, n_groups,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+                 DTYPE: tl.constexpr = tl.float32):
     """Scale (or min) of each column of a tile of width BLOCK_K starting at k0, as [BLOCK_N, BLOCK_K // SPAN *
-    ...]: SPAN is how many tile columns one input group covers (GROUP for INT8, GROUP // 2 for INT4 halves)."""
+    ...] in DTYPE: SPAN is how many tile columns one input group covers (GROUP for INT8, GROUP // 2 for INT4
+    halves)."""
     if GROUP >= BLOCK_K:
         g = k0 // GROUP
-        return tl.load(ptr + row_off + g, mask=n_mask & (g < n_groups), other=0.0).to(tl.float32)
+        return tl.load(ptr + row_off + g, mask=n_mask & (g < n_groups), other=0.0).to(DTYPE)
     else:
         NG: tl.constexpr = BLOCK_K // GROUP
         g = k0 // GROUP + tl.arange(0, NG)
-        p = tl.load(ptr + row_off + g[None, :], mask=n_mask & (g < n_groups)[None, :], other=0.0).to(tl.float32)
+        p = tl.load(ptr + row_off + g[None, :], mask=n_mask & (g < n_groups)[None, :], other=0.0).to(DTYPE)
         return tl.reshape(tl.broadcast_to(p[:, :, None], [BLOCK_N, NG, SPAN]), [BLOCK_N, NG * SPAN])
+
+
+@triton.jit
+def _nibble_to_float(nib, DTYPE: tl.constexpr):
+    """Integers 0..15 as DTYPE without a conversion instruction: OR them into the mantissa of 2^23 (float32),
+    1024 (float16) or 128 (bfloat16), where the ulp is 1, and subtract that power of two."""
+    if DTYPE == tl.float32:
+        return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    elif DTYPE == tl.float16:
+        return (nib.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return (nib.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
 
 
 @triton.jit
@@ -59,7 +78,8 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
                          stride_xm, stride_wn, stride_sn, stride_om, stride_split,
                          INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BIT_DEQUANT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -82,10 +102,16 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
             kl = k0 + col
             kh = kl + 16
             packed = tl.load(w_rows + (k0 // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
-            scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
-            low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
-            w_lo = ((packed & 15).to(tl.float32) * scale + low).to(dt)
-            w_hi = ((packed >> 4).to(tl.float32) * scale + low).to(dt)
+            if BIT_DEQUANT:
+                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
+                low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
+                w_lo = _nibble_to_float(packed & 15, dt) * scale + low
+                w_hi = _nibble_to_float(packed >> 4, dt) * scale + low
+            else:
+                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
+                low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
+                w_lo = ((packed & 15).to(tl.float32) * scale + low).to(dt)
+                w_hi = ((packed >> 4).to(tl.float32) * scale + low).to(dt)
             x_lo = tl.load(x_rows + kl[None, :], mask=m_mask & (kl < K)[None, :], other=0.0)
             x_hi = tl.load(x_rows + kh[None, :], mask=m_mask & (kh < K)[None, :], other=0.0)
             acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
@@ -142,7 +168,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
     k_tiles = triton.cdiv(k, cfg.block_k)
     target = 2 * _num_sms(device.index or 0) if device.type == "cuda" else 1
     split = max(1, min(triton.cdiv(target, tiles), k_tiles, 16))
-    return MatmulConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -170,7 +196,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BIT_DEQUANT=cfg.bit_dequant and int4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block = 1024

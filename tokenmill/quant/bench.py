@@ -45,7 +45,7 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune
 
 def describe(cfg: MatmulConfig) -> str:
     return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} split {cfg.split_k} warps {cfg.num_warps} "
-            f"stages {cfg.num_stages}")
+            f"stages {cfg.num_stages}" + (" bit-dequant" if cfg.bit_dequant else ""))
 
 
 def best_config(args: tuple, m: int, n: int, k: int) -> tuple[float, MatmulConfig]:
@@ -53,11 +53,13 @@ def best_config(args: tuple, m: int, n: int, k: int) -> tuple[float, MatmulConfi
     defaults should become."""
     default = pick_config(m, n, k, args[0].device)
     best: tuple[float, MatmulConfig] = (float("inf"), default)
-    for block_n, block_k, warps in itertools.product((16, 32, 64), (128, 256, 512), (4, 8)):
+    int4 = args[1].dtype == torch.uint8
+    for block_n, block_k, warps, bit in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
+                                                          (False, True) if int4 else (False,)):
         tiles = triton.cdiv(n, block_n) * triton.cdiv(m, default.block_m)
         split = max(1, min(triton.cdiv(2 * torch.cuda.get_device_properties(0).multi_processor_count, tiles),
                            triton.cdiv(k, block_k), 16))
-        cfg = MatmulConfig(default.block_m, block_n, block_k, split, warps, num_stages=4)
+        cfg = MatmulConfig(default.block_m, block_n, block_k, split, warps, num_stages=4, bit_dequant=bit)
         try:
             ms = median_ms(lambda cfg=cfg: quant_linear(*args, cfg))
         except triton.runtime.errors.OutOfResources:
