@@ -6,6 +6,7 @@ group carries rank 0's pickled messages (each step's batch, keepalives, shutdown
 so workers can wait for the next step on the host."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
@@ -68,7 +69,8 @@ def destroy_tp_group() -> None:
     """Leave the group (if any): tp size is 1 again, so another engine can start in this process."""
     global _control_group
     while _before_destroy:
-        _before_destroy.pop()()
+        with contextlib.suppress(Exception):  # after a failure the device may refuse; leaving must not
+            _before_destroy.pop()()
     if dist.is_initialized():
         dist.destroy_process_group()
     _control_group = None

@@ -36,3 +36,24 @@ def test_hash_collision_with_other_tokens_is_not_a_hit(monkeypatch):
     computed(kv, "x", [1] * 4 + [5])
     assert kv.get_computed_blocks(Request("b", [3] * 4 + [5], SamplingParams(max_tokens=1)))[1] == 0
     assert kv.get_computed_blocks(Request("a", [1] * 4 + [5], SamplingParams(max_tokens=1)))[1] == 4
+
+
+def test_blocks_after_a_twin_are_cached_after_the_block_it_duplicates():
+    """A request that recomputes a block another request cached first (an identical prompt's last full block
+    is never a hit) still caches what it computes after it, chained to the cached twin."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(10, 18))  # two full blocks
+    a = Request("a", prompt, SamplingParams(max_tokens=8))
+    assert kv.allocate_slots(a, 8)
+    b = Request("b", prompt, SamplingParams(max_tokens=8))
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 4  # the second block is computed again: a twin of a's
+    assert kv.allocate_slots(b, 4, hits)
+    b.num_computed_tokens = 8
+    for t in (7, 7, 7, 7):
+        b.append_token(t)
+    assert kv.allocate_slots(b, 4)  # b's third block, after its twin
+    b.num_computed_tokens = 12
+    c = Request("c", prompt + [7, 7, 7, 7, 1], SamplingParams(max_tokens=1))
+    assert kv.get_computed_blocks(c)[1] == 12
+    kv.check_invariants()

@@ -6,7 +6,8 @@ A block is *free* (ref_cnt 0, in the free queue, maybe still holding a reusable 
 front, and a cached block is evicted (its hash dropped) only when taken. Full blocks are identified by
 a chained hash of (parent hash, token ids); a hit is confirmed without trusting the hash: the block's token ids
 must match, and so must its parent, named by the unique id of the caching of the block before it (so a hash
-collision anywhere in the chain cannot splice two prefixes together).
+collision anywhere in the chain cannot splice two prefixes together). A request that computes a block already
+cached by another (a twin) chains its next blocks after that cached one.
 Only full blocks are ever shared, and a full block is never written again, so sharing needs no copy:
 the partial last block of each request is always its own.
 """
@@ -91,12 +92,19 @@ class BlockPool:
         return block
 
     def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...],
-                    parent: KVCacheBlock | None) -> None:
-        if block.block_hash is not None or block_hash in self.cached:
-            return
+                    parent: KVCacheBlock | None) -> KVCacheBlock | None:
+        """Register block as holding token_ids after parent; the cached block that now stands for them: this
+        one, one already cached (a hit, or a twin another request computed first), or None when the hash is
+        taken by other content (a collision: the chain stops there)."""
+        if block.block_hash is not None:
+            return block
+        cached = self.cached.get(block_hash)
+        if cached is not None:
+            return cached if cached is self.lookup(block_hash, token_ids, parent) else None
         block.block_hash, block.token_ids, block.cache_id = block_hash, token_ids, next(self._cache_ids)
         block.parent_cache_id = None if parent is None else parent.cache_id
         self.cached[block_hash] = block
+        return block
 
 
 class KVCacheManager:
@@ -106,6 +114,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # per request: the cached block its next full block follows, and that block's cache_id at the time (a
+        # twin held by another request may be evicted and cached anew meanwhile: then the chain stops)
+        self.chain_tail: dict[str, tuple[KVCacheBlock, int]] = {}
         self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0      # of which found
 
@@ -184,12 +195,19 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         bs = self.block_size
-        for i in range(start, num_full):
-            parent = blocks[i - 1] if i else None
-            if parent is not None and parent.cache_id is None:
-                break  # that block is a twin of one another request cached first; that chain goes on, not this
-            self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]), parent)
         self.num_cached_blocks[request.request_id] = num_full
+        parent = None
+        if start:
+            tail = self.chain_tail.pop(request.request_id, None)
+            if tail is None or tail[0].cache_id != tail[1]:
+                return
+            parent = tail[0]
+        for i in range(start, num_full):
+            parent = self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]),
+                                           parent)
+            if parent is None:
+                return
+        self.chain_tail[request.request_id] = (parent, parent.cache_id)
 
     def reserve_slots(self, request: Request, num_tokens: int, keep_free: int = 0) -> bool:
         """Grow a running request's table to hold num_tokens tokens without registering any hash: the draft
@@ -218,6 +236,7 @@ class KVCacheManager:
         """Release the request's blocks; tail blocks first into the LRU so they are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.chain_tail.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:

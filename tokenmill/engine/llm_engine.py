@@ -213,8 +213,9 @@ class LLMEngine:
         for req in out.timed_out:
             self._pending[req.parent_id] = self.child_to_group[req.request_id]
         if not out.is_empty and self._can_launch_ahead(out):
-            launched = self.runner.launch(out, self._block_ids(out), self._in_flight)
-            self._read_back_in_flight()
+            with self._watch_workers():
+                launched = self.runner.launch(out, self._block_ids(out), self._in_flight)
+                self._read_back_in_flight()
             self.scheduler.update_from_output(out, {})
             for req in launched.reqs:
                 if not req.is_finished:

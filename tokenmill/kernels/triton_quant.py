@@ -31,8 +31,8 @@ class MatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     # INT4 only: nibbles become floats by setting them as the low mantissa bits of a power of two whose ulp is 1
-    # (then subtracting it), and scale and min are applied in the compute dtype: no int-to-float conversion per
-    # weight. Off until measured on a GPU (`python -m tokenmill.quant.bench --tune` times both).
+    # (then subtracting it): no int-to-float conversion per weight (float16 inputs also apply scale and min in
+    # float16). Off until measured on a GPU (`python -m tokenmill.quant.bench --tune` times both).
     bit_dequant: bool = False
 
 
@@ -63,14 +63,12 @@ def _group_param(ptr, row_off, n_mask, k0, n_groups,
 
 @triton.jit
 def _nibble_to_float(nib, DTYPE: tl.constexpr):
-    """Integers 0..15 as DTYPE without a conversion instruction: OR them into the mantissa of 2^23 (float32),
-    1024 (float16) or 128 (bfloat16), where the ulp is 1, and subtract that power of two."""
-    if DTYPE == tl.float32:
-        return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    elif DTYPE == tl.float16:
+    """Integers 0..15 as DTYPE (float16 or float32) without a conversion instruction: OR them into the mantissa
+    of 1024 (float16) or 2^23 (float32), where the ulp is 1, and subtract that power of two."""
+    if DTYPE == tl.float16:
         return (nib.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     else:
-        return (nib.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+        return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -102,11 +100,16 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
             kl = k0 + col
             kh = kl + 16
             packed = tl.load(w_rows + (k0 // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
-            if BIT_DEQUANT:
+            if BIT_DEQUANT and dt == tl.float16:  # float16 scales and mins are exact in float16 arithmetic
                 scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
                 low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
                 w_lo = _nibble_to_float(packed & 15, dt) * scale + low
                 w_hi = _nibble_to_float(packed >> 4, dt) * scale + low
+            elif BIT_DEQUANT:  # bfloat16 would round them: float32 arithmetic, one rounding as below
+                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
+                low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
+                w_lo = (_nibble_to_float(packed & 15, tl.float32) * scale + low).to(dt)
+                w_hi = (_nibble_to_float(packed >> 4, tl.float32) * scale + low).to(dt)
             else:
                 scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
                 low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)

@@ -44,6 +44,8 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        if tp_size() > 1:  # registered first: a capture that fails part way still releases what it captured
+            on_destroy(self.release)
         self._capture_all()
 
     def _pad(self, start: int, end: int) -> None:
@@ -70,15 +72,12 @@ class CUDAGraphRunner:
             with forward_context(meta):
                 model(ids[:b], positions[:b])  # warm-up: compiles kernels for this shape
                 torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
+                graph = self.graphs[b] = torch.cuda.CUDAGraph()  # held before capture, so release() sees it
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.outputs[b] = model(ids[:b], positions[:b])
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[b] = graph
         torch.cuda.synchronize()
-        if tp_size() > 1:
-            on_destroy(self.release)
 
     def release(self) -> None:
         """Drop every graph (and with them their collectives); the runner then runs eagerly."""
