@@ -57,18 +57,15 @@ profile() {
             --max-num-seqs 8 --verify-query-lens --out "$OUT_DIR/profile_$q.json"
     done
 }
-tp() {  # a hang becomes an error with a traceback; ranks left behind by a killed step are stopped
+tp() {  # a hang becomes an error with a traceback; tokenmill's ranks exit with their parent, torchrun's are killed
     export TOKENMILL_DIST_TIMEOUT_S=${TOKENMILL_DIST_TIMEOUT_S:-90} TOKENMILL_DIST_JOIN_TIMEOUT_S=${TOKENMILL_DIST_JOIN_TIMEOUT_S:-90} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
     step "nccl smoke" "$PY" -m torch.distributed.run --nproc-per-node 2 scripts/nccl_smoke.py
     pkill -9 -f nccl_smoke.py
     step "tp tests" "$PY" -m pytest tests/engine/test_tensor_parallel.py -x -v -k gpus --durations=0
-    pkill -9 -f multiprocessing.spawn
     step "latency tp" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
         --sweep tensor_parallel_size=1,2 async_scheduling=false,true --out "$OUT_DIR/latency_tp.json"
-    pkill -9 -f multiprocessing.spawn
     step "profile tp" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --tensor-parallel-size 2 --batch-sizes 1 64 \
         --max-num-seqs 64 --verify-query-lens --out "$OUT_DIR/profile_tp.json"
-    pkill -9 -f multiprocessing.spawn
 }
 bench() {
     step "kernel bench" "$PY" -m tokenmill.kernels.bench_kernels --out "$OUT_DIR/kernels.json"

@@ -182,8 +182,9 @@ class EngineArgs:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must hold at least one block of {self.block_size} tokens, "
                              f"got {self.kv_cache_tokens}")
-        if self.kv_cache_tokens is not None and self.kv_cache_memory is not None:
-            raise ValueError("give the KV pool as kv_cache_memory (bytes) or kv_cache_tokens, not both")
+        if self.kv_cache_tokens is not None and (self.kv_cache_memory is not None or self.num_gpu_blocks_override):
+            raise ValueError("give the KV pool one way: kv_cache_memory (bytes), kv_cache_tokens or "
+                             "num_gpu_blocks_override, not several")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):

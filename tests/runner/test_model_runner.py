@@ -29,7 +29,9 @@ def test_pool_given_in_tokens():
     """kv_cache_tokens: enough blocks for that many tokens over all requests, whatever the budget in bytes."""
     e = engine(kv_cache_tokens=100, max_num_seqs=4, max_model_len=64)
     assert e.get_stats()["num_blocks_total"] == 7  # 7 blocks of 16 hold the 100 tokens
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not several"):
         engine(kv_cache_tokens=100, kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match="not several"):
+        engine(kv_cache_tokens=100, num_gpu_blocks_override=8)
     with pytest.raises(ValueError, match="at least one block"):
         engine(kv_cache_tokens=8)
