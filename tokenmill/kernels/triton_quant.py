@@ -62,10 +62,12 @@ def _group_param(ptr, row_off, n_mask, k0, n_groups,
 
 
 @triton.jit
-def _nibble_to_float(nib, DTYPE: tl.constexpr):
-    """Integers 0..15 as DTYPE (float16 or float32) without a conversion instruction: OR them into the mantissa
-    of 1024 (float16) or 2^23 (float32), where the ulp is 1, and subtract that power of two."""
-    if DTYPE == tl.float16:
+def _nibble_to_float(nib, DTYPE: tl.constexpr, BIT_TRICK: tl.constexpr):
+    """Integers 0..15 as DTYPE (float16 or float32). BIT_TRICK: without a conversion instruction, by ORing them
+    into the mantissa of 1024 (float16) or 2^23 (float32), where the ulp is 1, and subtracting that power of two."""
+    if not BIT_TRICK:
+        return nib.to(DTYPE)
+    elif DTYPE == tl.float16:
         return (nib.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     else:
         return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -103,18 +105,13 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
             if BIT_DEQUANT and dt == tl.float16:  # float16 scales and mins are exact in float16 arithmetic
                 scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
                 low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
-                w_lo = _nibble_to_float(packed & 15, dt) * scale + low
-                w_hi = _nibble_to_float(packed >> 4, dt) * scale + low
-            elif BIT_DEQUANT:  # bfloat16 would round them: float32 arithmetic, one rounding as below
+                w_lo = _nibble_to_float(packed & 15, dt, True) * scale + low
+                w_hi = _nibble_to_float(packed >> 4, dt, True) * scale + low
+            else:  # float32 arithmetic, one rounding to the compute dtype
                 scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
                 low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
-                w_lo = (_nibble_to_float(packed & 15, tl.float32) * scale + low).to(dt)
-                w_hi = (_nibble_to_float(packed >> 4, tl.float32) * scale + low).to(dt)
-            else:
-                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
-                low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
-                w_lo = ((packed & 15).to(tl.float32) * scale + low).to(dt)
-                w_hi = ((packed >> 4).to(tl.float32) * scale + low).to(dt)
+                w_lo = (_nibble_to_float(packed & 15, tl.float32, BIT_DEQUANT) * scale + low).to(dt)
+                w_hi = (_nibble_to_float(packed >> 4, tl.float32, BIT_DEQUANT) * scale + low).to(dt)
             x_lo = tl.load(x_rows + kl[None, :], mask=m_mask & (kl < K)[None, :], other=0.0)
             x_hi = tl.load(x_rows + kh[None, :], mask=m_mask & (kh < K)[None, :], other=0.0)
             acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)

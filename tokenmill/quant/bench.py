@@ -54,10 +54,10 @@ def best_config(args: tuple, m: int, n: int, k: int) -> tuple[float, MatmulConfi
     default = pick_config(m, n, k, args[0].device)
     best: tuple[float, MatmulConfig] = (float("inf"), default)
     int4 = args[1].dtype == torch.uint8
+    sms = torch.cuda.get_device_properties(args[0].device).multi_processor_count
     for block_n, block_k, warps, bit in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
                                                           (False, True) if int4 else (False,)):
         tiles = triton.cdiv(n, block_n) * triton.cdiv(m, default.block_m)
-        sms = torch.cuda.get_device_properties(args[0].device).multi_processor_count
         split = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k), 16))
         cfg = MatmulConfig(default.block_m, block_n, block_k, split, warps, num_stages=4, bit_dequant=bit)
         try:

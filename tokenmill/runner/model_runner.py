@@ -204,13 +204,14 @@ class ModelRunner:
         the host has not seen yet are fed to this step's input on the device."""
         logits = self.compute_logits(out, block_ids, prev, shares_sampled=True)
         reqs = [s.request for s in out.scheduled if s.samples]
-        tokens = torch.zeros(len(reqs), dtype=torch.long, device=self.device)
+        tokens = None
         try:
-            if logits is not None:
-                tokens = self.sampler.sample(logits, reqs)[0]
+            tokens = torch.empty(0, dtype=torch.long, device=self.device) if logits is None else \
+                self.sampler.sample(logits, reqs)[0]
         finally:  # the other ranks wait for this step's tokens (to feed the next step's input): even if sampling
             if self.tp_size > 1 and len(reqs):  # failed here, so that the group's collectives stay in step
-                broadcast_tensor(tokens)
+                broadcast_tensor(torch.zeros(len(reqs), dtype=torch.long, device=self.device) if tokens is None
+                                 else tokens)
         if self.device.type != "cuda":
             return LaunchedStep(reqs, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
