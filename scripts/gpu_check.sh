@@ -43,7 +43,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step "env" "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 DUMMY=(--load-format dummy --model-preset llama-3-8b)
 tests() {
-    step "kernel tests" "$PY" -m pytest tests/kernels -x -q
+    step "kernel tests" "$PY" -m pytest tests/kernels -x -q --ignore tests/kernels/test_triton_gemv.py
+    step "gemv tests" "$PY" -m pytest tests/kernels/test_triton_gemv.py -x -q
     step "quant tests" "$PY" -m pytest tests/quant/test_triton_quant.py -x -q
     step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -v --durations=0
 }
@@ -69,6 +70,7 @@ tp() {  # a hang becomes an error with a traceback; tokenmill's ranks exit with 
 }
 bench() {
     step "kernel bench" "$PY" -m tokenmill.kernels.bench_kernels --out "$OUT_DIR/kernels.json"
+    step "gemv bench" "$PY" -m tokenmill.kernels.bench_gemv --out "$OUT_DIR/gemv.json"  # --tune: ~4 min
     step "quant bench" "$PY" -m tokenmill.quant.bench --m 1 16 64 2048 --tune --out "$OUT_DIR/quant_kernels.json"
     for q in none int8 int4; do
         step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \

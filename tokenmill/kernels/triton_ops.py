@@ -2,14 +2,32 @@
 An int8 KV cache (its dtype says so) goes to the kernels of triton_kv_quant; every other cache dtype,
 fp8 included, to the float ones."""
 import torch
+import torch.nn.functional as F
 
 from tokenmill.kernels import triton_attention, triton_kv_quant, triton_rope_cache
 from tokenmill.kernels.triton_activation import silu_and_mul
+from tokenmill.kernels.triton_gemv import dense_gemv
 from tokenmill.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
-__all__ = ["write_kv_cache", "paged_attention", "rotary_embedding", "rope_and_cache", "rms_norm",
-           "fused_add_rms_norm", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "linear",
+    "paged_attention",
+    "rms_norm",
+    "rope_and_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv_cache",
+]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One row in 16 bits (batch-1 decode): the Triton GEMV, which reads small matrices faster than cuBLAS
+    (docs/BENCHMARKS.md); anything else: cuBLAS."""
+    if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16):
+        return dense_gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

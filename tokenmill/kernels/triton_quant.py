@@ -1,25 +1,26 @@
 """Quantized-weight matmul in Triton: y = x @ W.T + b with W packed INT8 or INT4 (tokenmill/quant/formats.py),
 dequantized tile by tile in registers; no dequantized copy of W ever exists in memory.
 
-One kernel, two tile shapes. Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles.
-Larger M: classic square-ish tiles. Either way, when the tiles are too few to fill the GPU the K loop is split
-over programs, and the fp32 partial sums are reduced in a fixed order by a second kernel, so results are
-deterministic. (A one-row kernel for batch-1 decode, fp32 products reduced along K, was measured on the H200 and
-dropped: INT8 at 49% of copy bandwidth against this tile's 59%, INT4 no faster.)
+A single row (batch-1 decode) goes to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
+Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.
+Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the fp32 partial
+sums are reduced in a fixed order by a second kernel, so results are deterministic.
 
-INT4 tiles are handled in halves that match the packing: the byte at column i of a tile holds input
-(i // 16) * 32 + i % 16 (low nibble) and that input + 16 (high nibble), so a tile is two dots, one per
-nibble, against two x tiles loaded at those columns. Per-channel INT8 scales the accumulator once at the end.
+A K tile is cut into sub-tiles of one input group each (group_param). INT4 sub-tiles are handled in halves
+that match the packing: the byte at column i of a sub-tile holds input (i // 16) * 32 + i % 16 (low nibble) and
+that input + 16 (high nibble), so a sub-tile is two dots, one per nibble, against two x tiles loaded at those
+columns. Per-channel INT8 scales the accumulator once at the end.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels.triton_gemv import group_param, num_sms, quant_gemv, split_reduce_kernel, sub_tile
 
 
 @dataclass(frozen=True)
@@ -45,23 +46,6 @@ GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
 
 
 @triton.jit
-def _group_param(ptr, row_off, n_mask, k0, n_groups,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
-                 DTYPE: tl.constexpr = tl.float32):
-    """Scale (or min) of each column of a tile of width BLOCK_K starting at k0, as [BLOCK_N, BLOCK_K // SPAN *
-    ...] in DTYPE: SPAN is how many tile columns one input group covers (GROUP for INT8, GROUP // 2 for INT4
-    halves)."""
-    if GROUP >= BLOCK_K:
-        g = k0 // GROUP
-        return tl.load(ptr + row_off + g, mask=n_mask & (g < n_groups), other=0.0).to(DTYPE)
-    else:
-        NG: tl.constexpr = BLOCK_K // GROUP
-        g = k0 // GROUP + tl.arange(0, NG)
-        p = tl.load(ptr + row_off + g[None, :], mask=n_mask & (g < n_groups)[None, :], other=0.0).to(DTYPE)
-        return tl.reshape(tl.broadcast_to(p[:, :, None], [BLOCK_N, NG, SPAN]), [BLOCK_N, NG * SPAN])
-
-
-@triton.jit
 def _nibble_to_float(nib, DTYPE: tl.constexpr, BIT_TRICK: tl.constexpr):
     """Integers 0..15 as DTYPE (float16 or float32). BIT_TRICK: without a conversion instruction, by ORing them
     into the mantissa of 1024 (float16) or 2^23 (float32), where the ulp is 1, and subtracting that power of two."""
@@ -79,7 +63,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
                          INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BIT_DEQUANT: tl.constexpr):
+                         SUB: tl.constexpr, BIT_DEQUANT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -95,39 +79,42 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
     if INT4:
-        HALF: tl.constexpr = BLOCK_K // 2
+        HALF: tl.constexpr = SUB // 2
         offs_i = tl.arange(0, HALF)
         col = (offs_i // 16) * 32 + offs_i % 16
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kl = k0 + col
-            kh = kl + 16
-            packed = tl.load(w_rows + (k0 // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
-            if BIT_DEQUANT and dt == tl.float16:  # float16 scales and mins are exact in float16 arithmetic
-                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
-                low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2, dt)
-                w_lo = _nibble_to_float(packed & 15, dt, True) * scale + low
-                w_hi = _nibble_to_float(packed >> 4, dt, True) * scale + low
-            else:  # float32 arithmetic, one rounding to the compute dtype
-                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
-                low = _group_param(m_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP // 2)
-                w_lo = (_nibble_to_float(packed & 15, tl.float32, BIT_DEQUANT) * scale + low).to(dt)
-                w_hi = (_nibble_to_float(packed >> 4, tl.float32, BIT_DEQUANT) * scale + low).to(dt)
-            x_lo = tl.load(x_rows + kl[None, :], mask=m_mask & (kl < K)[None, :], other=0.0)
-            x_hi = tl.load(x_rows + kh[None, :], mask=m_mask & (kh < K)[None, :], other=0.0)
-            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+            for j in tl.static_range(BLOCK_K // SUB):
+                ks = k0 + j * SUB
+                kl = ks + col
+                kh = kl + 16
+                packed = tl.load(w_rows + (ks // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
+                if BIT_DEQUANT and dt == tl.float16:  # float16 scales and mins are exact in float16 arithmetic
+                    scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP, dt)
+                    low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP, dt)
+                    w_lo = _nibble_to_float(packed & 15, dt, True) * scale + low
+                    w_hi = _nibble_to_float(packed >> 4, dt, True) * scale + low
+                else:  # float32 arithmetic, one rounding to the compute dtype
+                    scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
+                    low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP)
+                    w_lo = (_nibble_to_float(packed & 15, tl.float32, BIT_DEQUANT) * scale + low).to(dt)
+                    w_hi = (_nibble_to_float(packed >> 4, tl.float32, BIT_DEQUANT) * scale + low).to(dt)
+                x_lo = tl.load(x_rows + kl[None, :], mask=m_mask & (kl < K)[None, :], other=0.0)
+                x_hi = tl.load(x_rows + kh[None, :], mask=m_mask & (kh < K)[None, :], other=0.0)
+                acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+                acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
     else:
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = tl.arange(0, SUB)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + offs_k
-            q = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
-            if PER_CHANNEL:
-                w = q.to(dt)  # |q| <= 127 is exact in every float type; the scale is applied at the end
-            else:
-                scale = _group_param(s_ptr, s_off, n_mask, k0, n_groups, GROUP, BLOCK_N, BLOCK_K, GROUP)
-                w = (q.to(tl.float32) * scale).to(dt)
-            x = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            for j in tl.static_range(BLOCK_K // SUB):
+                kk = k0 + j * SUB + offs_k
+                q = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
+                if PER_CHANNEL:
+                    w = q.to(dt)  # |q| <= 127 is exact in every float type; the scale is applied at the end
+                else:
+                    scale = group_param(s_ptr, s_off, n_mask, k0 + j * SUB, n_groups, GROUP)
+                    w = (q.to(tl.float32) * scale).to(dt)
+                x = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if PER_CHANNEL:
             acc = acc * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask & (offs_n < N)[None, :]
@@ -140,25 +127,6 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dt), mask=out_mask)
 
 
-@triton.jit
-def _split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum over splits (in split order) + bias, cast to out's dtype; parts are [splits, M * N] fp32."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(num_splits):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.lru_cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
     """The skinny config for decode-sized M, the GEMM config otherwise; K is split over programs until there are
     about two per multiprocessor (a batch of 64 rows of a 4096-wide output is only 32 GEMM tiles: unsplit, it
@@ -166,7 +134,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
     cfg = GEMM if m > SKINNY_M else SKINNY
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     k_tiles = triton.cdiv(k, cfg.block_k)
-    target = 2 * _num_sms(device.index or 0) if device.type == "cuda" else 1
+    target = 2 * num_sms(device.index or 0) if device.type == "cuda" else 1
     split = max(1, min(triton.cdiv(target, tiles), k_tiles, 16))
     return dataclasses.replace(cfg, split_k=split)
 
@@ -184,6 +152,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
+    if m == 1 and config is None:
+        return quant_gemv(x, qweight, scales, mins, in_features, group, bias)
     per_channel = not int4 and group >= k
     cfg = config or pick_config(m, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
@@ -196,10 +166,11 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BIT_DEQUANT=cfg.bit_dequant and int4,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SUB=sub_tile(0 if per_channel else group, cfg.block_k), BIT_DEQUANT=cfg.bit_dequant and int4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block = 1024
-        _split_reduce_kernel[(triton.cdiv(m * n, block),)](part, out if bias is None else bias, out, m * n, n,
+        split_reduce_kernel[(triton.cdiv(m * n, block),)](part, out if bias is None else bias, out, m * n, n,
                                                           splits, HAS_BIAS=bias is not None, BLOCK=block)
     return out.view(*lead, n)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_gather_last_dim, all_reduce, shard_range
+from tokenmill.kernels import get_ops
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,5 +37,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice, gathered across ranks; float32 for the sampler."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.ops = get_ops(torch.get_default_device())
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(F.linear(hidden, self.weight).float())
+        return all_gather_last_dim(self.ops.linear(hidden, self.weight).float())

@@ -6,10 +6,10 @@ the input columns and sum the partial outputs across ranks. With one rank they a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_reduce, shard_range, tp_rank, tp_size
+from tokenmill.kernels import get_ops
 
 
 class Linear(nn.Module):
@@ -21,6 +21,7 @@ class Linear(nn.Module):
         self.checkpoint_shapes: dict[int | None, tuple[int, int]] = {None: (out_features, in_features)}
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.ops = get_ops(torch.get_default_device())
 
     def _local(self, name: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
         """The part of a checkpoint tensor this rank keeps."""
@@ -37,7 +38,7 @@ class Linear(nn.Module):
         param.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -66,7 +67,7 @@ class RowParallelLinear(Linear):
         return tensor[:, start:end] if name == "weight" else tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self.ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

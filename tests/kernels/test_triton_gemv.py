@@ -1,0 +1,65 @@
+"""The batch-1 GEMV (triton_gemv.py) against a float64 reference (skipped without CUDA): float, INT8 and INT4
+weights, odd N and K, K not a multiple of the tile or the group, every tile shape and split, the bit-trick and
+converting dequantizations. Outputs come from torch.empty, NaN-filled in deterministic mode, so an output the
+kernel never writes fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from paged_cases import rel_err
+
+from tokenmill.kernels import quant_ref
+from tokenmill.kernels.triton_gemv import GemvConfig, dense_gemv, quant_gemv
+from tokenmill.quant.formats import QuantFormat, quantize
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+SHAPES = [(1, 32), (37, 1000), (130, 4160), (4096, 14336)]
+# The defaults, every dequantization, a split count given, splits computed, one and eight warps' worth of rows.
+CONFIGS = [None, GemvConfig(4, 256, 1, dequant="bits"), GemvConfig(32, 1024, 3, num_warps=8, dequant="cvt"),
+           GemvConfig(128, 256, 0, num_warps=8)]
+FORMATS = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_allocations():
+    was_on, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_dense_gemv(n: int, k: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=dtype)
+    x = torch.randn(1, 1, k, device="cuda", generator=gen, dtype=dtype)
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=dtype)
+    want = F.linear(x.double(), w.double(), bias.double())
+    for cfg in CONFIGS:
+        got = dense_gemv(x, w, bias, cfg)
+        assert got.shape == (1, 1, n) and got.dtype == dtype
+        assert rel_err(got, want) < TOL[dtype], cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_quant_gemv(n: int, k: int, fmt: str, dtype: torch.dtype) -> None:
+    f = QuantFormat.parse(fmt)
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(1, k, device="cuda", generator=gen, dtype=dtype)
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=dtype)
+    want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, k, f.group(k), bias.double())
+    for cfg in CONFIGS:
+        got = quant_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, cfg)
+        assert got.shape == (1, n) and got.dtype == dtype
+        assert rel_err(got, want) < TOL[dtype], cfg

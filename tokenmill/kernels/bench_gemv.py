@@ -1,0 +1,161 @@
+"""GPU timings of batch-1 decode matmuls on Llama-3-8B's four projections: cuBLAS (F.linear) beside the Triton
+GEMV (triton_gemv.py) in bf16, and the quantized GEMV beside the 16-row tile kernel (triton_quant.py) in INT8
+and INT4 g128. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
+decode (where 31 other layers pass through the 50 MB L2 between two uses of a matrix), not L2 speed.
+
+    python -m tokenmill.kernels.bench_gemv --tune --out bench_results/gemv.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
+from tokenmill.kernels.triton_gemv import (
+    DEQUANT_MODES,
+    DENSE,
+    INT4,
+    INT8,
+    GemvConfig,
+    default_config,
+    dense_gemv,
+    quant_gemv,
+)
+from tokenmill.kernels.triton_quant import pick_config, quant_linear
+from tokenmill.quant.formats import QuantFormat, quantize
+
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+             "lm_head": (128256, 4096)}
+LAYER = ("qkv", "o", "gate_up", "down")  # a decoder layer's matrices: the tuning objective is their total time
+ROTATE_BYTES = 512 << 20
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, -(-ROTATE_BYTES // nbytes))
+
+
+def time_rotating(fn, args_list: list[tuple]) -> float:
+    """ms per call of fn over argument sets used in turn (one CUDA graph holds one call per set)."""
+    reps = len(args_list)
+    it = iter(itertools.cycle(args_list))
+    return median_ms(lambda: fn(*next(it)), reps=reps)
+
+
+def grid(kind: int) -> list[GemvConfig]:
+    cfgs = []
+    for bn, bk, warps, pps in itertools.product((4, 8, 16, 32, 64, 128), (128, 256, 512, 1024), (4, 8), (1, 2, 4)):
+        acc = bn * (min(bk, 128) // 2 if kind == INT4 else bk) // (32 * warps)  # fp32 accumulators a thread
+        if 4 <= acc <= 64:
+            cfgs.append(GemvConfig(bn, bk, 0, warps, "prmt" if kind == INT4 else "bits", pps))
+    return cfgs
+
+
+def bench(name: str, n: int, k: int, tune: bool, timings: dict) -> list[dict]:
+    """Rows for one matrix; with tune, every grid config's time goes into timings[(kind, config)][name]."""
+    rows = []
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    ws = [w0] + [w0.clone() for _ in range(_copies(w0.numel() * 2) - 1)]
+    dense_args = [(x, w) for w in ws]
+
+    def row(kernel: str, ms: float, moved: int, cfg: GemvConfig | None = None) -> None:
+        rows.append({"matrix": name, "shape": f"{n}x{k}", "kernel": kernel, "us": ms * 1e3,
+                     "pct_of_hbm": 100 * moved / (ms * 1e-3) / HBM_BYTES_PER_S,
+                     "config": "" if cfg is None else describe(cfg)})
+
+    moved = w0.numel() * 2
+    row("bf16 F.linear", time_rotating(F.linear, dense_args), moved)
+    row("bf16 gemv", time_rotating(dense_gemv, dense_args), moved, default_config(DENSE))
+    if tune:
+        ms, cfg = search(lambda x, w, cfg: dense_gemv(x, w, None, cfg), dense_args, grid(DENSE), DENSE, name,
+                         timings)
+        row("bf16 gemv best", ms, moved, cfg)
+    del ws, dense_args
+    if name not in LAYER:
+        return rows
+    for fmt_name, kind in (("int8", INT8), ("int4-g128", INT4)):
+        fmt = QuantFormat.parse(fmt_name)
+        qw = quantize(w0, fmt)
+        moved = (qw.qweight.numel() + qw.scales.numel() * 2 + (0 if qw.mins is None else qw.mins.numel() * 2))
+        copies = [qw] + [dataclasses.replace(qw, qweight=qw.qweight.clone(), scales=qw.scales.clone(),
+                                             mins=None if qw.mins is None else qw.mins.clone())
+                         for _ in range(_copies(moved) - 1)]
+        qargs = [(x, q.qweight, q.scales, q.mins, k, fmt.group(k), None) for q in copies]
+        tile = pick_config(1, n, k, x.device)
+        row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
+        row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind))
+        if tune:
+            ms, cfg = search(quant_gemv, qargs, grid(kind), kind, name, timings)
+            row(f"{fmt_name} gemv best", ms, moved, cfg)
+            for mode in DEQUANT_MODES[:2] if kind == INT4 else DEQUANT_MODES[:1]:
+                alt = dataclasses.replace(cfg, dequant=mode)
+                row(f"{fmt_name} gemv best, {mode}",
+                    time_rotating(lambda *a, alt=alt: quant_gemv(*a, alt), qargs), moved, alt)
+    return rows
+
+
+def search(fn, args_list: list[tuple], cfgs: list[GemvConfig], kind: int, name: str,
+           timings: dict) -> tuple[float, GemvConfig]:
+    """The fastest config for one matrix; every time is recorded in timings."""
+    result = (float("inf"), cfgs[0])
+    for cfg in cfgs:
+        try:
+            ms = time_rotating(lambda *a, cfg=cfg: fn(*a, cfg), args_list)
+        except triton.runtime.errors.OutOfResources:  # too many registers or too much shared memory
+            continue
+        timings.setdefault((kind, cfg), {})[name] = ms
+        result = min(result, (ms, cfg), key=lambda r: r[0])
+    return result
+
+
+def best_overall(timings: dict, kind: int) -> tuple[float, GemvConfig] | None:
+    """The config with the least total time over a decoder layer's four matrices: the default to use."""
+    totals = [(sum(t[m] for m in LAYER), cfg) for (kd, cfg), t in timings.items()
+              if kd == kind and set(LAYER) <= set(t)]
+    return min(totals, key=lambda r: r[0]) if totals else None
+
+
+def describe(cfg: GemvConfig) -> str:
+    return (f"n{cfg.block_n} k{cfg.block_k} warps {cfg.num_warps} "
+            + (f"split {cfg.split_k}" if cfg.split_k else f"{cfg.programs_per_sm}/SM")
+            + f" {cfg.dequant}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune", action="store_true", help="also search the GEMV tile grid")
+    parser.add_argument("--matrices", nargs="+", default=list(LLAMA3_8B), choices=list(LLAMA3_8B))
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("the GEMV bench needs a CUDA GPU")
+    torch.manual_seed(0)
+    timings: dict = {}
+    rows = [r for name in args.matrices for r in bench(name, *LLAMA3_8B[name], args.tune, timings)]
+    print(f"{'matrix':<8} {'shape':<11} {'kernel':<24} {'us':>7} {'%HBM':>5}  config")
+    for r in rows:
+        print(f"{r['matrix']:<8} {r['shape']:<11} {r['kernel']:<24} {r['us']:>7.1f} {r['pct_of_hbm']:>5.0f}  "
+              f"{r['config']}")
+    overall = []
+    for kind, label in ((DENSE, "bf16"), (INT8, "int8"), (INT4, "int4-g128")):
+        found = best_overall(timings, kind)
+        if found:
+            total, cfg = found
+            per = timings[(kind, cfg)]
+            overall.append({"kernel": label, "config": describe(cfg), "layer_us": total * 1e3,
+                            "per_matrix_us": {m: per[m] * 1e3 for m in LAYER}})
+            print(f"best for a whole layer, {label}: {describe(cfg)}: {total * 1e3:.1f} us "
+                  + " ".join(f"{m} {per[m] * 1e3:.1f}" for m in LAYER))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "best_for_layer": overall}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Batch-1 decode matmul in Triton: y = x @ W.T + b for a single row x, W float (bf16, fp16, fp32) or packed
+INT8 / INT4 (tokenmill/quant/formats.py). Decode at batch 1 reads every weight once per token, so this is the
+kernel that bounds batch-1 speed.
+
+No tensor cores: a [BLOCK_N, BLOCK_K] weight tile times x broadcast along the rows, accumulated in fp32
+registers and reduced along K once at the end. A 16-row tile for a dot (triton_quant.py) wastes 15 rows of
+work and moves each dequantized weight through shared memory into the dot's layout; here a weight lives in one
+thread's registers from load to product.
+
+Dequantization without int-to-float conversions (GemvConfig.dequant): on Hopper a conversion issues at a quarter
+of the float rate, about as long as reading an INT4 weight takes. "bits": a nibble ORed into the mantissa of 2^23
+(where the ulp is 1) is exactly 2^23 + q as a float, an int8 plus 2^23 + 128 likewise, and subtracting the
+constant is exact. "prmt" (INT4): one PTX byte permute puts a packed byte under the exponent of 2^23, one AND per
+nibble keeps it (the high nibble as 16 q, its x scaled by 1/16), and a fused multiply-add with -2^23 x removes the
+offset exactly: three integer instructions a byte instead of six (counted in the SASS). Either way a group's
+scale and min are applied once per byte pair: sum (q s + m) x = s sum q x + m sum x.
+
+When N / BLOCK_N tiles are too few to keep every multiprocessor streaming, K is split over programs and the
+fp32 partial sums are added in split order by a second kernel, so results never depend on timing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DENSE, INT8, INT4 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int  # input features per tile (INT4: bytes per row are half that)
+    split_k: int = 0  # 0: split until there are about programs_per_sm programs per multiprocessor
+    num_warps: int = 4
+    dequant: str = "prmt"  # cvt | bits | prmt (INT4; INT8 treats it as bits); see the module docstring
+    programs_per_sm: int = 4
+
+
+# The configs with the least total time over a Llama-3-8B layer's four matrices on the H200, 2026-11-30
+# (`python -m tokenmill.kernels.bench_gemv --tune`, figures in docs/BENCHMARKS.md).
+DENSE_CFG = GemvConfig(8, 512, num_warps=4, programs_per_sm=2)
+INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
+INT4_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
+
+
+@triton.jit
+def group_param(ptr, row_off, n_mask, k0, n_groups, GROUP: tl.constexpr, DTYPE: tl.constexpr = tl.float32):
+    """Scale (or min) of the input group holding column k0, one per row ([BLOCK_N, 1]) in DTYPE. Kernels cut
+    their tiles into sub-tiles of one group each: broadcasting several groups' values over a tile's columns
+    needs a reshape whose layout conversion, through shared memory, cost INT4 decode about 3x."""
+    g = k0 // GROUP
+    return tl.load(ptr + row_off + g, mask=n_mask & (g < n_groups), other=0.0).to(DTYPE)
+
+
+@triton.jit
+def split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over splits (in split order) + bias, cast to out's dtype; parts are [splits, M * N] fp32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(num_splits):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+DEQUANT_MODES = ("cvt", "bits", "prmt")
+
+
+@triton.jit
+def _int8_to_float(q, BITS: tl.constexpr):
+    """int8 values as float32, exactly."""
+    if BITS:
+        return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    return q.to(tl.float32)
+
+
+@triton.jit
+def _magic_nibbles(packed):
+    """Each packed byte as two floats: 2^23 + low nibble and 2^23 + 16 * high nibble (PTX: one byte permute and
+    two ANDs a byte)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 m, w0, w1, w2, w3;
+        mov.b32 m, 0x4B000000;
+        prmt.b32 w0, $8, m, 0x7540;
+        prmt.b32 w1, $8, m, 0x7541;
+        prmt.b32 w2, $8, m, 0x7542;
+        prmt.b32 w3, $8, m, 0x7543;
+        and.b32 $0, w0, 0x4B00000F;
+        and.b32 $1, w1, 0x4B00000F;
+        and.b32 $2, w2, 0x4B00000F;
+        and.b32 $3, w3, 0x4B00000F;
+        and.b32 $4, w0, 0x4B0000F0;
+        and.b32 $5, w1, 0x4B0000F0;
+        and.b32 $6, w2, 0x4B0000F0;
+        and.b32 $7, w3, 0x4B0000F0;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[packed], dtype=(tl.float32, tl.float32), is_pure=True,
+        pack=4)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
+                 stride_wn, stride_sn,
+                 KIND: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                 DEQUANT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < N)[:, None]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_off = offs_n.to(tl.int64)[:, None] * stride_sn
+    k_lo = pid_k * k_per_split
+    k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
+    # SUB: a sub-tile of one input group (group_param), all of BLOCK_K where a group is at least as long.
+    if KIND == 2:  # INT4: byte i of a sub-tile holds inputs (i // 16) * 32 + i % 16 (low nibble) and that + 16
+        HALF: tl.constexpr = SUB // 2
+        offs_i = tl.arange(0, HALF)
+        col = (offs_i // 16) * 32 + offs_i % 16
+        acc = tl.zeros([BLOCK_N, HALF], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // SUB):
+                ks = k0 + j * SUB
+                kl = ks + col
+                kh = kl + 16
+                packed = tl.load(w_rows + (ks // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
+                scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
+                low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP)
+                x_lo = tl.load(x_ptr + kl, mask=kl < K, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_ptr + kh, mask=kh < K, other=0.0).to(tl.float32)
+                if DEQUANT == 2:
+                    v_lo, v_hi16 = _magic_nibbles(packed)
+                    qx = tl.fma(v_lo, x_lo[None, :], (x_lo * -8388608.0)[None, :])
+                    qx += tl.fma(v_hi16, (x_hi * 0.0625)[None, :], (x_hi * -524288.0)[None, :])
+                else:
+                    p32 = packed.to(tl.int32)
+                    if DEQUANT == 1:
+                        q_lo = ((p32 & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                        q_hi = ((p32 >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    else:
+                        q_lo = (p32 & 15).to(tl.float32)
+                        q_hi = (p32 >> 4).to(tl.float32)
+                    qx = q_lo * x_lo[None, :]
+                    qx += q_hi * x_hi[None, :]
+                acc += qx * scale
+                acc += (x_lo + x_hi)[None, :] * low
+    else:
+        offs_k = tl.arange(0, SUB)
+        acc = tl.zeros([BLOCK_N, SUB], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // SUB):
+                kk = k0 + j * SUB + offs_k
+                w = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
+                if KIND == 1:
+                    w = _int8_to_float(w, DEQUANT > 0)
+                    if not PER_CHANNEL:
+                        w = w * group_param(s_ptr, s_off, n_mask, k0 + j * SUB, n_groups, GROUP)
+                else:
+                    w = w.to(tl.float32)
+                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if PER_CHANNEL:
+        y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
+    if SPLIT:
+        tl.store(out_ptr + pid_k * N + offs_n, y, mask=offs_n < N)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def sub_tile(group: int, block_k: int) -> int:
+    """Columns of a sub-tile: one input group where groups are shorter than the tile, else the tile."""
+    return group if 0 < group < block_k else block_k
+
+
+def default_config(kind: int) -> GemvConfig:
+    return (DENSE_CFG, INT8_CFG, INT4_CFG)[kind]
+
+
+def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
+    """How many programs share a row tile's K: cfg.split_k, or enough to give each multiprocessor about
+    programs_per_sm programs."""
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    if cfg.split_k or device.type != "cuda":
+        return min(cfg.split_k or 1, k_tiles)
+    target = cfg.programs_per_sm * num_sms(device.index or 0)
+    return max(1, min(triton.cdiv(target, triton.cdiv(n, cfg.block_n)), k_tiles, 32))
+
+
+def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
+            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None) -> torch.Tensor:
+    cfg = cfg or default_config(kind)
+    x1 = x.reshape(k)
+    if x1.stride(0) != 1:
+        x1 = x1.contiguous()
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    split = _splits(cfg, n, k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    per_channel = kind == INT8 and group >= k
+    group_k = 0 if per_channel or kind == DENSE else group
+    s = w if scales is None else scales
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x1, w, s, s if mins is None else mins, out if bias is None else bias, part,
+        n, k, 1 if scales is None else scales.shape[1], k_per_split, w.stride(0), s.stride(0),
+        KIND=kind, GROUP=group_k, PER_CHANNEL=per_channel,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SUB=sub_tile(group_k, cfg.block_k), DEQUANT=DEQUANT_MODES.index(cfg.dequant), num_warps=cfg.num_warps, num_stages=1)
+    if split > 1:
+        block = 1024
+        split_reduce_kernel[(triton.cdiv(n, block),)](part, out if bias is None else bias, out, n, n, split,
+                                                       HAS_BIAS=bias is not None, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x holding one row ([..., K] with one element in the leading dims)."""
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config)
+
+
+def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+               in_features: int, group: int, bias: torch.Tensor | None,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """quant_linear (triton_quant.py) for x holding one row."""
+    kind = INT4 if qweight.dtype == torch.uint8 else INT8
+    return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config)
+
+
+def with_split(cfg: GemvConfig, split_k: int) -> GemvConfig:
+    return dataclasses.replace(cfg, split_k=split_k)
