@@ -71,7 +71,7 @@ tp() {  # a hang becomes an error with a traceback; tokenmill's ranks exit with 
 bench() {
     step "kernel bench" "$PY" -m tokenmill.kernels.bench_kernels --out "$OUT_DIR/kernels.json"
     step "gemv bench" "$PY" -m tokenmill.kernels.bench_gemv --out "$OUT_DIR/gemv.json"  # --tune: ~4 min
-    step "quant bench" "$PY" -m tokenmill.quant.bench --m 1 16 64 2048 --tune --out "$OUT_DIR/quant_kernels.json"
+    step "quant bench" "$PY" -m tokenmill.quant.bench --m 2 16 64 2048 --tune --out "$OUT_DIR/quant_kernels.json"
     for q in none int8 int4; do
         step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
             $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \

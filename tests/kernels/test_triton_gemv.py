@@ -24,15 +24,7 @@ SHAPES = [(1, 32), (37, 1000), (130, 4160), (4096, 14336)]
 CONFIGS = [None, GemvConfig(4, 256, 1, dequant="bits"), GemvConfig(32, 1024, 3, num_warps=8, dequant="cvt"),
            GemvConfig(128, 256, 0, num_warps=8)]
 FORMATS = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
-
-
-@pytest.fixture(autouse=True)
-def nan_filled_allocations():
-    was_on, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

@@ -58,6 +58,16 @@ def group_param(ptr, row_off, n_mask, k0, n_groups, GROUP: tl.constexpr, DTYPE: 
 
 
 @triton.jit
+def int4_subtile(w_rows, n_mask, ks, K, HALF: tl.constexpr):
+    """The packed bytes of an INT4 sub-tile starting at input ks, and the inputs of their nibbles: byte i holds
+    input ks + (i // 16) * 32 + i % 16 in its low nibble (kl) and that + 16 in its high nibble (kh)."""
+    offs_i = tl.arange(0, HALF)
+    kl = ks + (offs_i // 16) * 32 + offs_i % 16
+    packed = tl.load(w_rows + (ks // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
+    return packed, kl, kl + 16
+
+
+@triton.jit
 def split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """out = sum over splits (in split order) + bias, cast to out's dtype; parts are [splits, M * N] fp32."""
@@ -127,17 +137,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
     # SUB: a sub-tile of one input group (group_param), all of BLOCK_K where a group is at least as long.
-    if KIND == 2:  # INT4: byte i of a sub-tile holds inputs (i // 16) * 32 + i % 16 (low nibble) and that + 16
-        HALF: tl.constexpr = SUB // 2
-        offs_i = tl.arange(0, HALF)
-        col = (offs_i // 16) * 32 + offs_i % 16
-        acc = tl.zeros([BLOCK_N, HALF], tl.float32)
+    if KIND == 2:  # INT4
+        acc = tl.zeros([BLOCK_N, SUB // 2], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // SUB):
                 ks = k0 + j * SUB
-                kl = ks + col
-                kh = kl + 16
-                packed = tl.load(w_rows + (ks // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
+                packed, kl, kh = int4_subtile(w_rows, n_mask, ks, K, SUB // 2)
                 scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
                 low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP)
                 x_lo = tl.load(x_ptr + kl, mask=kl < K, other=0.0).to(tl.float32)

@@ -20,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_gemv import group_param, num_sms, quant_gemv, split_reduce_kernel, sub_tile
+from tokenmill.kernels.triton_gemv import (
+    group_param,
+    int4_subtile,
+    num_sms,
+    quant_gemv,
+    split_reduce_kernel,
+    sub_tile,
+)
 
 
 @dataclass(frozen=True)
@@ -79,15 +86,10 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
     if INT4:
-        HALF: tl.constexpr = SUB // 2
-        offs_i = tl.arange(0, HALF)
-        col = (offs_i // 16) * 32 + offs_i % 16
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // SUB):
                 ks = k0 + j * SUB
-                kl = ks + col
-                kh = kl + 16
-                packed = tl.load(w_rows + (ks // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
+                packed, kl, kh = int4_subtile(w_rows, n_mask, ks, K, SUB // 2)
                 if BIT_DEQUANT and dt == tl.float16:  # float16 scales and mins are exact in float16 arithmetic
                     scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP, dt)
                     low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP, dt)

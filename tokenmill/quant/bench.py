@@ -1,6 +1,7 @@
 """GPU timings of the quantized-weight matmuls against bf16 F.linear on the same shape: bandwidth for decode
 (M <= 16: bytes of packed weight + scales + mins read, the number that decode speed follows) and TFLOP/s for
-prefill-sized M. The default shape is Llama-3-8B's down projection (4096 x 14336).
+prefill-sized M. The default shape is Llama-3-8B's down projection (4096 x 14336). One row goes to the GEMV
+(kernels/triton_gemv.py, timed on every decode matrix by `python -m tokenmill.kernels.bench_gemv`).
 
     python -m tokenmill.quant.bench --out bench_results/quant.json
 """
