@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from paged_cases import rel_err
 
-from tokenmill.kernels import quant_ref
+from tokenmill.kernels import quant_ref, triton_ops
 from tokenmill.kernels.triton_gemv import GemvConfig, dense_gemv, quant_gemv
 from tokenmill.quant.formats import QuantFormat, quantize
 
@@ -55,3 +55,29 @@ def test_quant_gemv(n: int, k: int, fmt: str, dtype: torch.dtype) -> None:
         got = quant_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, cfg)
         assert got.shape == (1, n) and got.dtype == dtype
         assert rel_err(got, want) < TOL[dtype], cfg
+
+
+def test_linear_takes_the_gemv_for_one_16_bit_row() -> None:
+    """ops.linear: one bf16 row is the GEMV's (bit for bit), two rows and float32 rows stay cuBLAS's."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(300, 1000, device="cuda", generator=gen, dtype=torch.bfloat16)
+    x = torch.randn(2, 1000, device="cuda", generator=gen, dtype=torch.bfloat16)
+    assert torch.equal(triton_ops.linear(x[:1], w), dense_gemv(x[:1], w))
+    assert torch.equal(triton_ops.linear(x, w), F.linear(x, w))
+    assert torch.equal(triton_ops.linear(x[:1].float(), w.float()), F.linear(x[:1].float(), w.float()))
+
+
+def test_strided_inputs() -> None:
+    """A column of a wider activation and a transposed weight view give the contiguous answer."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    wide = torch.randn(1, 2000, device="cuda", generator=gen)
+    w_t = torch.randn(1000, 300, device="cuda", generator=gen)
+    x, w = wide[:, ::2], w_t.t()
+    assert rel_err(dense_gemv(x, w), F.linear(x.double(), w.double())) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_n=4, block_k=16), dict(block_n=3, block_k=64),
+                                    dict(block_n=4, block_k=64, dequant="fast")])
+def test_bad_config_is_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="GemvConfig"):
+        GemvConfig(**kwargs)

@@ -56,7 +56,7 @@ def test_greedy_identical_on_the_cpu_fast_path(prompt_ids):
     """bf16 over the GGUF's packed INT4 weights: verification rows attend exactly as decode rows do, so even where
     bf16 rounding makes near-ties, speculative greedy output is plain greedy output (the chat-style prompts
     here flipped a token before verification went row by row)."""
-    fast = dict(dtype="bfloat16", quantization="gguf")
+    fast = dict(dtype="bfloat16", quantization="gguf", device="cpu")
     params = SamplingParams(temperature=0, max_tokens=64)
     want = [o.outputs[0].token_ids for o in LLM(**fast).generate(prompt_ids, params)]
     got = [o.outputs[0].token_ids for o in LLM(**fast, speculative="ngram", num_speculative_tokens=4)

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,8 @@ import triton
 
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
 from tokenmill.kernels.triton_gemv import (
-    DEQUANT_MODES,
     DENSE,
+    DEQUANT_MODES,
     INT4,
     INT8,
     GemvConfig,
@@ -33,6 +34,7 @@ from tokenmill.quant.formats import QuantFormat, quantize
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
              "lm_head": (128256, 4096)}
 LAYER = ("qkv", "o", "gate_up", "down")  # a decoder layer's matrices: the tuning objective is their total time
+Timings = dict[tuple[int, GemvConfig], dict[str, float]]  # (kind, config) -> matrix -> ms
 ROTATE_BYTES = 512 << 20
 
 
@@ -40,7 +42,7 @@ def _copies(nbytes: int) -> int:
     return max(2, -(-ROTATE_BYTES // nbytes))
 
 
-def time_rotating(fn, args_list: list[tuple]) -> float:
+def time_rotating(fn: Callable[..., object], args_list: list[tuple]) -> float:
     """ms per call of fn over argument sets used in turn (one CUDA graph holds one call per set)."""
     reps = len(args_list)
     it = iter(itertools.cycle(args_list))
@@ -52,11 +54,11 @@ def grid(kind: int) -> list[GemvConfig]:
     for bn, bk, warps, pps in itertools.product((4, 8, 16, 32, 64, 128), (128, 256, 512, 1024), (4, 8), (1, 2, 4)):
         acc = bn * (min(bk, 128) // 2 if kind == INT4 else bk) // (32 * warps)  # fp32 accumulators a thread
         if 4 <= acc <= 64:
-            cfgs.append(GemvConfig(bn, bk, 0, warps, "prmt" if kind == INT4 else "bits", pps))
+            cfgs.append(GemvConfig(bn, bk, 0, warps, ("cvt", "bits", "prmt")[kind], pps))
     return cfgs
 
 
-def bench(name: str, n: int, k: int, tune: bool, timings: dict) -> list[dict]:
+def bench(name: str, n: int, k: int, tune: bool, timings: Timings) -> list[dict]:
     """Rows for one matrix; with tune, every grid config's time goes into timings[(kind, config)][name]."""
     rows = []
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -100,8 +102,8 @@ def bench(name: str, n: int, k: int, tune: bool, timings: dict) -> list[dict]:
     return rows
 
 
-def search(fn, args_list: list[tuple], cfgs: list[GemvConfig], kind: int, name: str,
-           timings: dict) -> tuple[float, GemvConfig]:
+def search(fn: Callable[..., object], args_list: list[tuple], cfgs: list[GemvConfig], kind: int, name: str,
+           timings: Timings) -> tuple[float, GemvConfig]:
     """The fastest config for one matrix; every time is recorded in timings."""
     result = (float("inf"), cfgs[0])
     for cfg in cfgs:
@@ -114,7 +116,7 @@ def search(fn, args_list: list[tuple], cfgs: list[GemvConfig], kind: int, name: 
     return result
 
 
-def best_overall(timings: dict, kind: int) -> tuple[float, GemvConfig] | None:
+def best_overall(timings: Timings, kind: int) -> tuple[float, GemvConfig] | None:
     """The config with the least total time over a decoder layer's four matrices: the default to use."""
     totals = [(sum(t[m] for m in LAYER), cfg) for (kd, cfg), t in timings.items()
               if kd == kind and set(LAYER) <= set(t)]
@@ -136,7 +138,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the GEMV bench needs a CUDA GPU")
     torch.manual_seed(0)
-    timings: dict = {}
+    timings: Timings = {}
     rows = [r for name in args.matrices for r in bench(name, *LLAMA3_8B[name], args.tune, timings)]
     print(f"{'matrix':<8} {'shape':<11} {'kernel':<24} {'us':>7} {'%HBM':>5}  config")
     for r in rows:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

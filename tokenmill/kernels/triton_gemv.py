@@ -13,14 +13,13 @@ of the float rate, about as long as reading an INT4 weight takes. "bits": a nibb
 constant is exact. "prmt" (INT4): one PTX byte permute puts a packed byte under the exponent of 2^23, one AND per
 nibble keeps it (the high nibble as 16 q, its x scaled by 1/16), and a fused multiply-add with -2^23 x removes the
 offset exactly: three integer instructions a byte instead of six (counted in the SASS). Either way a group's
-scale and min are applied once per byte pair: sum (q s + m) x = s sum q x + m sum x.
+scale and min are applied once per packed byte (nibble pair): sum (q s + m) x = s sum q x + m sum x.
 
 When N / BLOCK_N tiles are too few to keep every multiprocessor streaming, K is split over programs and the
 fp32 partial sums are added in split order by a second kernel, so results never depend on timing.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ import triton
 import triton.language as tl
 
 DENSE, INT8, INT4 = 0, 1, 2
+DEQUANT_MODES = ("cvt", "bits", "prmt")
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,20 @@ class GemvConfig:
     dequant: str = "prmt"  # cvt | bits | prmt (INT4; INT8 treats it as bits); see the module docstring
     programs_per_sm: int = 4
 
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.block_k < 32:  # an INT4 sub-tile starts at a 32-input packing block
+            raise ValueError(f"GemvConfig.block_k must be at least 32, got {self.block_k}")
+        if self.dequant not in DEQUANT_MODES:
+            raise ValueError(f"GemvConfig.dequant must be one of {', '.join(DEQUANT_MODES)}, got {self.dequant!r}")
+
 
 # The configs with the least total time over a Llama-3-8B layer's four matrices on the H200, 2026-11-30
 # (`python -m tokenmill.kernels.bench_gemv --tune`, figures in docs/BENCHMARKS.md).
-DENSE_CFG = GemvConfig(8, 512, num_warps=4, programs_per_sm=2)
+DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
 INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
 INT4_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
 
@@ -59,8 +69,9 @@ def group_param(ptr, row_off, n_mask, k0, n_groups, GROUP: tl.constexpr, DTYPE: 
 
 @triton.jit
 def int4_subtile(w_rows, n_mask, ks, K, HALF: tl.constexpr):
-    """The packed bytes of an INT4 sub-tile starting at input ks, and the inputs of their nibbles: byte i holds
-    input ks + (i // 16) * 32 + i % 16 in its low nibble (kl) and that + 16 in its high nibble (kh)."""
+    """The packed bytes of an INT4 sub-tile starting at input ks (a multiple of 32: packing blocks are 32 inputs),
+    and the inputs of their nibbles: byte i holds input ks + (i // 16) * 32 + i % 16 in its low nibble (kl) and
+    that + 16 in its high nibble (kh)."""
     offs_i = tl.arange(0, HALF)
     kl = ks + (offs_i // 16) * 32 + offs_i % 16
     packed = tl.load(w_rows + (ks // 2 + offs_i)[None, :], mask=n_mask & (kl < K)[None, :], other=0)
@@ -84,9 +95,6 @@ def split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
 @functools.lru_cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-DEQUANT_MODES = ("cvt", "bits", "prmt")
 
 
 @triton.jit
@@ -125,9 +133,9 @@ def _magic_nibbles(packed):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
                  stride_wn, stride_sn,
-                 KIND: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                 DEQUANT: tl.constexpr):
+                 PRMT: tl.constexpr, BITS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,7 +145,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
     # SUB: a sub-tile of one input group (group_param), all of BLOCK_K where a group is at least as long.
-    if KIND == 2:  # INT4
+    if INT4:
         acc = tl.zeros([BLOCK_N, SUB // 2], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // SUB):
@@ -147,13 +155,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
                 low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP)
                 x_lo = tl.load(x_ptr + kl, mask=kl < K, other=0.0).to(tl.float32)
                 x_hi = tl.load(x_ptr + kh, mask=kh < K, other=0.0).to(tl.float32)
-                if DEQUANT == 2:
+                if PRMT:  # (x * -2^23 would overflow only for |x| > 2^104)
                     v_lo, v_hi16 = _magic_nibbles(packed)
                     qx = tl.fma(v_lo, x_lo[None, :], (x_lo * -8388608.0)[None, :])
                     qx += tl.fma(v_hi16, (x_hi * 0.0625)[None, :], (x_hi * -524288.0)[None, :])
                 else:
                     p32 = packed.to(tl.int32)
-                    if DEQUANT == 1:
+                    if BITS:
                         q_lo = ((p32 & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                         q_hi = ((p32 >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                     else:
@@ -170,8 +178,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
             for j in tl.static_range(BLOCK_K // SUB):
                 kk = k0 + j * SUB + offs_k
                 w = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
-                if KIND == 1:
-                    w = _int8_to_float(w, DEQUANT > 0)
+                if INT8:
+                    w = _int8_to_float(w, BITS)
                     if not PER_CHANNEL:
                         w = w * group_param(s_ptr, s_off, n_mask, k0 + j * SUB, n_groups, GROUP)
                 else:
@@ -225,9 +233,10 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x1, w, s, s if mins is None else mins, out if bias is None else bias, part,
         n, k, 1 if scales is None else scales.shape[1], k_per_split, w.stride(0), s.stride(0),
-        KIND=kind, GROUP=group_k, PER_CHANNEL=per_channel,
+        INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
         HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SUB=sub_tile(group_k, cfg.block_k), DEQUANT=DEQUANT_MODES.index(cfg.dequant), num_warps=cfg.num_warps, num_stages=1)
+        SUB=sub_tile(group_k, cfg.block_k), PRMT=kind == INT4 and cfg.dequant == "prmt",
+        BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1)
     if split > 1:
         block = 1024
         split_reduce_kernel[(triton.cdiv(n, block),)](part, out if bias is None else bias, out, n, n, split,
@@ -250,6 +259,3 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     kind = INT4 if qweight.dtype == torch.uint8 else INT8
     return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config)
 
-
-def with_split(cfg: GemvConfig, split_k: int) -> GemvConfig:
-    return dataclasses.replace(cfg, split_k=split_k)

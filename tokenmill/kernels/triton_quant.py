@@ -43,10 +43,18 @@ class MatmulConfig:
     # float16). Off until measured on a GPU (`python -m tokenmill.quant.bench --tune` times both).
     bit_dequant: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):  # tl.dot needs 16 or more; INT4 halves of block_k too
+                raise ValueError(f"MatmulConfig.{name} must be a power of two of at least 16, got {value}")
+        if self.block_k < 32:
+            raise ValueError(f"MatmulConfig.block_k must be at least 32 (a packing block of INT4), got {self.block_k}")
 
-# `python -m tokenmill.quant.bench --tune` searches tile shapes. SKINNY is its best for M = 1 on the H200
-# (4096 x 14336: INT8 22.1 us against 23.0 for the first guess, 64 x 256 in 3 stages; INT4 g128 31.6 against 34.2);
-# GEMM is an untuned starting point.
+
+# `python -m tokenmill.quant.bench --tune` searches tile shapes. SKINNY was its best at M = 1 on the H200 (4096 x
+# 14336: INT8 22.1 us against 23.0 for the first guess; INT4 g128 31.6 against 34.2), before one row went to the
+# GEMV; it now serves M = 2..16 and has not been re-tuned there. GEMM is an untuned starting point.
 SKINNY_M = 16
 SKINNY = MatmulConfig(16, 32, 256, num_warps=4, num_stages=4)
 GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
@@ -144,7 +152,10 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None,
                  config: MatmulConfig | None = None) -> torch.Tensor:
-    """x [..., in_features] @ W.T + bias, W packed INT8 (int8 qweight) or INT4 (uint8); same as quant_ref."""
+    """x [..., in_features] @ W.T + bias, W packed INT8 (int8 qweight) or INT4 (uint8); same as quant_ref. One row
+    goes to the GEMV unless a config is given (the tile kernel then runs whatever M is)."""
+    if config is None and x.numel() == in_features:
+        return quant_gemv(x, qweight, scales, mins, in_features, group, bias)
     int4 = qweight.dtype == torch.uint8
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
@@ -154,8 +165,6 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
-    if m == 1 and config is None:
-        return quant_gemv(x, qweight, scales, mins, in_features, group, bias)
     per_channel = not int4 and group >= k
     cfg = config or pick_config(m, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k

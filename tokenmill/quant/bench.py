@@ -1,7 +1,8 @@
 """GPU timings of the quantized-weight matmuls against bf16 F.linear on the same shape: bandwidth for decode
 (M <= 16: bytes of packed weight + scales + mins read, the number that decode speed follows) and TFLOP/s for
-prefill-sized M. The default shape is Llama-3-8B's down projection (4096 x 14336). One row goes to the GEMV
-(kernels/triton_gemv.py, timed on every decode matrix by `python -m tokenmill.kernels.bench_gemv`).
+prefill-sized M, always the tile kernel. The default shape is Llama-3-8B's down projection (4096 x 14336). In
+the engine one row goes to the GEMV instead (kernels/triton_gemv.py, timed on every decode matrix by
+`python -m tokenmill.kernels.bench_gemv`).
 
     python -m tokenmill.quant.bench --out bench_results/quant.json
 """
@@ -36,8 +37,9 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune
         moved = (qw.qweight.numel() + qw.scales.numel() * 2 + (0 if qw.mins is None else qw.mins.numel() * 2)
                  + x.numel() * 2 + m * n * 2)
         args = (x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None)
-        ms = median_ms(lambda args=args: quant_linear(*args))
-        rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, describe(pick_config(m, n, k, x.device))))
+        tile = pick_config(m, n, k, x.device)  # given explicitly: one row would otherwise go to the GEMV
+        ms = median_ms(lambda args=args, tile=tile: quant_linear(*args, tile))
+        rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, describe(tile)))
         if tune:
             best_ms, best = best_config(args, m, n, k)
             rows.append(_row(f"{name} best", n, k, m, best_ms, moved, flops, bf16_ms, describe(best)))
