@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.runner.model_runner import kv_bytes_per_token
+from tokenmill.runner.model_runner import fill_pending, kv_bytes_per_token
 
 
 def engine(**kw) -> LLMEngine:
@@ -35,3 +35,12 @@ def test_pool_given_in_tokens():
         engine(kv_cache_tokens=100, num_gpu_blocks_override=8)
     with pytest.raises(ValueError, match="at least one block"):
         engine(kv_cache_tokens=8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pending_tokens_are_filled_without_waiting_for_the_device(no_device_sync) -> None:
+    """Async scheduling's tokens still on the device go into the next input with nothing read back."""
+    ids = torch.zeros(6, dtype=torch.long, device="cuda")
+    fill_pending(ids, ([1, 4], [2, 0], torch.arange(7, 10, device="cuda")))
+    torch.cuda.set_sync_debug_mode(0)
+    assert ids.tolist() == [0, 9, 0, 0, 7, 0]

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from tokenmill.request import Request
@@ -79,3 +80,14 @@ def test_logprobs_are_log_softmax_with_top_k():
     assert entry.token_id == out.token_ids[0]
     assert math.isclose(entry.logprob, float(lp.max()), rel_tol=1e-5)
     assert list(entry.top) == lp.topk(3).indices.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_on_the_gpu_never_waits_for_the_device(no_device_sync) -> None:
+    """Greedy, filtered, seeded, penalized and min_tokens rows in one batch, all queued without a host wait."""
+    sampler = Sampler(50, eos_token_ids=[0], device=torch.device("cuda"), seed=0)
+    reqs = [req(0, temperature=0), req(1, temperature=0.6, top_k=5, top_p=0.9, min_p=0.05),
+            req(2, temperature=1.0, seed=7, repetition_penalty=1.2, min_tokens=3)]
+    tokens, _ = sampler.sample(torch.randn(3, 50, device="cuda"), reqs)
+    torch.cuda.set_sync_debug_mode(0)
+    assert tokens.shape == (3,) and tokens.min().item() >= 0

@@ -1,10 +1,11 @@
 """The staging buffer that sends a step's host arrays to the GPU in one copy, exercised on the CPU (same code,
 an ordinary host buffer): every array comes back equal, in its dtype and shape, at an aligned offset, and the
-buffer grows when a step needs more than it holds."""
+buffer grows when a step needs more than it holds. On a GPU, device_tensor never makes the host wait."""
 import numpy as np
+import pytest
 import torch
 
-from tokenmill.runner.staging import ALIGN, StagingBuffer
+from tokenmill.runner.staging import ALIGN, StagingBuffer, device_tensor
 
 
 def test_arrays_come_back_equal_in_dtype_and_shape() -> None:
@@ -20,3 +21,12 @@ def test_arrays_come_back_equal_in_dtype_and_shape() -> None:
             assert tuple(t.shape) == a.shape and np.array_equal(t.numpy(), a)
             assert t.numel() == 0 or (t.data_ptr() - staging.dev.data_ptr()) % ALIGN == 0
     assert staging.host.numel() >= sum(-(-a.nbytes // ALIGN) * ALIGN for a in arrays)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tensor_does_not_wait_for_the_device(no_device_sync) -> None:
+    busy = torch.randn(4096, 4096, device="cuda")
+    busy @ busy  # queued work a synchronizing copy would wait for
+    t = device_tensor([3, 1, 2], torch.long, torch.device("cuda"))
+    torch.cuda.set_sync_debug_mode(0)
+    assert t.dtype == torch.long and t.tolist() == [3, 1, 2]

@@ -20,7 +20,7 @@ from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare
 from tokenmill.request import Request
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput
-from tokenmill.runner.staging import StagingBuffer
+from tokenmill.runner.staging import StagingBuffer, device_tensor
 from tokenmill.spec.rejection_sampler import RejectionSampler, VerifyOutput
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
@@ -292,4 +292,4 @@ def fill_pending(input_ids: torch.Tensor, pending: PendingInputs | None) -> None
     if pending is not None:
         rows, src, tokens = pending
         dev = input_ids.device
-        input_ids[torch.tensor(rows, device=dev)] = tokens[torch.tensor(src, device=dev)]
+        input_ids[device_tensor(rows, torch.long, dev)] = tokens[device_tensor(src, torch.long, dev)]

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.outputs import Logprob
 from tokenmill.request import Request
+from tokenmill.runner.staging import device_tensor
 
 
 @dataclass
@@ -42,12 +43,12 @@ class Sampler:
             p = reqs[i].sampling_params
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(reqs[i].all_token_ids)), device=logits.device, dtype=torch.long)
-                seen = seen[seen < row.shape[0]]
+                seen = device_tensor(sorted(t for t in set(reqs[i].all_token_ids) if t < row.shape[0]), torch.long,
+                                     logits.device)
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and reqs[i].output_token_ids:
-                out = torch.tensor(reqs[i].output_token_ids, device=logits.device, dtype=torch.long)
+                out = device_tensor(reqs[i].output_token_ids, torch.long, logits.device)
                 counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
@@ -59,7 +60,7 @@ class Sampler:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 ids = [t for t in ids if t < logits.shape[1]]
                 if ids:
-                    logits[i, ids] = float("-inf")
+                    logits[i, device_tensor(ids, torch.long, logits.device)] = float("-inf")
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: float32 [len(reqs), vocab] (rows past vocab_size, if any, are cut)."""
@@ -74,7 +75,7 @@ class Sampler:
         params = [r.sampling_params for r in reqs]
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
-            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            greedy = device_tensor([p.greedy for p in params], torch.bool, logits.device)
             sampled = self.race(self.probs(logits, params), reqs)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens, raw_logprobs
@@ -92,16 +93,18 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Temperature (1 for greedy rows), top-k / top-p / min-p, softmax."""
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        temps = device_tensor([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
         return torch.softmax(self._filter(logits / temps[:, None], params), dim=-1)
 
     def race(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """One token per row drawn from probs: argmax(p / E), E ~ Exp(1), seeded rows from their own generator."""
-        noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
+        if len(unseeded) == len(reqs):
+            return (probs / torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
+        noise = torch.empty_like(probs)
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator)
+            noise[device_tensor(unseeded, torch.long, probs.device)] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.sampling_params.seed is not None:
                 noise[i].exponential_(generator=self.request_generator(r))
@@ -135,12 +138,12 @@ class Sampler:
         dev = logits.device
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[1], device=dev)[None, :]
-        k = torch.tensor(top_k, device=dev)[:, None]
+        k = device_tensor(top_k, torch.long, dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        p = torch.tensor(top_p, device=dev)[:, None]
+        p = device_tensor(top_p, torch.float32, dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(cum >= p, float("-inf"))
-        mp = torch.tensor(min_p, device=dev)[:, None]
+        mp = device_tensor(min_p, torch.float32, dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(probs < mp * probs[:, :1], float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)

@@ -9,6 +9,16 @@ import torch
 ALIGN = 8  # bytes: every array starts where any dtype's view of it may start
 
 
+def device_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on device, queued without waiting. torch.tensor(data, device=cuda) copies
+    from pageable memory, and torch then synchronizes the stream: the host would wait for every step already
+    queued, and async scheduling would lose its overlap. A copy from pinned memory is queued like a kernel (torch's
+    pinned-memory cache keeps the buffer until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
