@@ -46,6 +46,7 @@ tests() {
     step "kernel tests" "$PY" -m pytest tests/kernels -x -q --ignore tests/kernels/test_triton_gemv.py
     step "gemv tests" "$PY" -m pytest tests/kernels/test_triton_gemv.py -x -q
     step "quant tests" "$PY" -m pytest tests/quant/test_triton_quant.py -x -q
+    step "runner tests" "$PY" -m pytest tests/runner -x -q  # sampling and pending tokens never wait for the GPU
     step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -v --durations=0
 }
 profile() {
