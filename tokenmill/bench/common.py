@@ -74,9 +74,13 @@ def num_output_tokens(outputs: Sequence[RequestOutput]) -> int:
     return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
 
-def warm_up(engine: LLMEngine) -> None:
-    """One short request, so kernel compilation and allocator growth stay out of the timings."""
+def warm_up(engine: LLMEngine, prompts: Sequence[Prompt] = ()) -> None:
+    """One short request, then prompts (a sample of the workload) for a few tokens each, so kernel compilation
+    and allocator growth stay out of the timings: Triton compiles a prefill kernel for each query-tile size it
+    meets, a second or more each, and the first configuration of a sweep would pay for it."""
     generate(engine, [list(range(1, 9))], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    if prompts:
+        generate(engine, list(prompts), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
 
 # ---- timing -------------------------------------------------------------------------------------

@@ -5,9 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -25,6 +29,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if x2.shape[0] and n:
         block = min(triton.next_power_of_2(n), 1024)
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block,
-                                                                    num_warps=4)
+        pdl = pdl_flag(x)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block, PDL=pdl,
+                                                                    num_warps=4, launch_pdl=pdl)
     return out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+
 _LOG2E = 1.4426950408889634
 
 # Measured on an H200 (bf16, head dim 128, GQA 4). Decode: longest partition in tokens (halved for small
@@ -30,9 +32,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    table_cols, num_heads, num_parts,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, TILE_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head attend to the
     partition's tokens, so each K/V tile is loaded once and fed to one [GROUP_PAD, TILE_N] dot."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -87,9 +91,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
                           stride_ot, stride_oh, num_heads, num_parts,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr,
-                          P_PAD: tl.constexpr, P_CHUNK: tl.constexpr):
+                          P_PAD: tl.constexpr, P_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Merge the partitions of one (sequence, head): rescale each partial sum to the global max. A context of
     one partition was written whole by the decode kernel."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     n_valid = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)
@@ -237,6 +243,7 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     d_pad = max(16, triton.next_power_of_2(head_dim))
     tile_n = DECODE_CFG["tile_n"] if q.element_size() < 4 else 32
     one = num_parts == 1
+    pdl = pdl_flag(q)
     if one:
         part_out = part_m = part_l = out  # unused
     else:
@@ -250,13 +257,14 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_heads, num_parts,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, PARTITION=partition, TILE_N=tile_n,
-        PRECISION=_precision(q.dtype), num_warps=DECODE_CFG["num_warps"], num_stages=DECODE_CFG["num_stages"])
+        PRECISION=_precision(q.dtype), PDL=pdl, num_warps=DECODE_CFG["num_warps"],
+        num_stages=DECODE_CFG["num_stages"], launch_pdl=pdl)
     if not one:
         p_pad = triton.next_power_of_2(num_parts)
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_m, part_l, out, seq_lens, out.stride(0), out.stride(1), num_heads, num_parts,
-            HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, P_PAD=p_pad, P_CHUNK=min(p_pad, 16),
-            num_warps=4)
+            HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, P_PAD=p_pad, P_CHUNK=min(p_pad, 16), PDL=pdl,
+            num_warps=4, launch_pdl=pdl)
 
 
 def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,

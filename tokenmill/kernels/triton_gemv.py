@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+
 DENSE, INT8, INT4 = 0, 1, 2
 DEQUANT_MODES = ("cvt", "bits", "prmt")
 
@@ -80,8 +82,10 @@ def int4_subtile(w_rows, n_mask, ks, K, HALF: tl.constexpr):
 
 @triton.jit
 def split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out = sum over splits (in split order) + bias, cast to out's dtype; parts are [splits, M * N] fp32."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
@@ -135,7 +139,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
                  stride_wn, stride_sn,
                  INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                 PRMT: tl.constexpr, BITS: tl.constexpr):
+                 PRMT: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,6 +148,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
+    pdl_wait(PDL)
     # SUB: a sub-tile of one input group (group_param), all of BLOCK_K where a group is at least as long.
     if INT4:
         acc = tl.zeros([BLOCK_N, SUB // 2], tl.float32)
@@ -186,6 +191,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
                     w = w.to(tl.float32)
                 x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
                 acc += w * x[None, :]
+    pdl_release(PDL)
     y = tl.sum(acc, axis=1)
     if PER_CHANNEL:
         y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -230,17 +236,19 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     per_channel = kind == INT8 and group >= k
     group_k = 0 if per_channel or kind == DENSE else group
     s = w if scales is None else scales
+    pdl = pdl_flag(x)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x1, w, s, s if mins is None else mins, out if bias is None else bias, part,
         n, k, 1 if scales is None else scales.shape[1], k_per_split, w.stride(0), s.stride(0),
         INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
         HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB=sub_tile(group_k, cfg.block_k), PRMT=kind == INT4 and cfg.dequant == "prmt",
-        BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1)
+        BITS=kind != DENSE and cfg.dequant != "cvt", PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl)
     if split > 1:
         block = 1024
         split_reduce_kernel[(triton.cdiv(n, block),)](part, out if bias is None else bias, out, n, n, split,
-                                                       HAS_BIAS=bias is not None, BLOCK=block)
+                                                       HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl,
+                                                       launch_pdl=pdl)
     return out.view(*x.shape[:-1], n)
 
 

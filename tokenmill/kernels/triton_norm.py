@@ -5,13 +5,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, n_inner,
                      stride_x0, stride_x1, stride_r0, stride_r1,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """Row r of the [A, B, N] view sits at (r // B, r % B): q/k slices of a fused qkv need no copy.
     With a residual, the sum is rounded to the input dtype before normalising, as the twin does."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     a, b = (row // n_inner).to(tl.int64), (row % n_inner).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -48,10 +52,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     rows = x3.shape[0] * x3.shape[1]
     if rows:
         block = triton.next_power_of_2(n)
+        pdl = pdl_flag(x)
         _rms_norm_kernel[(rows,)](
             x3, r3, weight, out, res_out, eps, x3.shape[1],
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(max(block // 512, 1), 16))
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, PDL=pdl,
+            num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl)
     return out, (res_out if residual is not None else None)
 
 

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+
 
 @triton.jit
 def _rope_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr,
@@ -18,8 +20,11 @@ def _rope_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_out_pt
                        stride_cb, stride_ct, stride_ch,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr,
                        KV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, ROTATE: tl.constexpr, WRITE_CACHE: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, ROTATE: tl.constexpr, WRITE_CACHE: tl.constexpr,
+                       PDL: tl.constexpr):
     """ROTATE: rotate q into q_out and k (into the cache, or k_out). WRITE_CACHE: store k and v at the slot."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     offs_d = tl.arange(0, HALF_PAD)
@@ -87,6 +92,7 @@ def _launch(k: torch.Tensor, positions: torch.Tensor | None = None, q: torch.Ten
     if not rotate:
         positions = cos_sin_cache = k
     if num_tokens:
+        pdl = pdl_flag(k)
         _rope_cache_kernel[(num_tokens,)](
             positions, q, k, v, cos_sin_cache, q_out, k_out, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -95,7 +101,7 @@ def _launch(k: torch.Tensor, positions: torch.Tensor | None = None, q: torch.Ten
             NUM_HEADS=q.shape[1], NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(q.shape[1]),
             KV_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=k_cache.shape[1] if write_cache else 1,
-            ROTATE=rotate, WRITE_CACHE=write_cache, num_warps=4)
+            ROTATE=rotate, WRITE_CACHE=write_cache, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return (q_out if rotate else None), (None if write_cache else k_out)
 
 

@@ -53,14 +53,20 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _suppress_stop_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        """Before min_tokens outputs, EOS and stop token ids cannot be chosen."""
+        """Before min_tokens outputs, EOS and stop token ids cannot be chosen. One index_put_ for the batch, its
+        values filled on the device: a Python scalar as the value would be copied from pageable memory, which
+        waits for the GPU."""
+        rows, cols = [], []
         for i, r in enumerate(reqs):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 ids = [t for t in ids if t < logits.shape[1]]
-                if ids:
-                    logits[i, device_tensor(ids, torch.long, logits.device)] = float("-inf")
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            index = device_tensor([rows, cols], torch.long, logits.device)
+            logits.index_put_((index[0], index[1]), logits.new_full((len(rows),), float("-inf")))
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: float32 [len(reqs), vocab] (rows past vocab_size, if any, are cut)."""
