@@ -21,11 +21,14 @@ _LOG2E = 1.4426950408889634
 # batches, down to 256), tokens per loop step (fp32 inputs use 32), warps, pipeline stages; 1024/64/4/2 reads
 # 3.8-4.0 TB/s at 64 x 4096. Prefill: (element bytes, padded head dim) -> (query tile, key tile, warps, stages).
 DECODE_CFG = {"partition": 1024, "tile_n": 64, "num_warps": 4, "num_stages": 2}
+# The block table's width changes from step to step; Triton would compile a kernel for each width that is 1, a
+# multiple of 16 or neither, seconds each, in the middle of a benchmark or a user's first requests.
+VARYING_ARGS = ("stride_bt", "table_cols")
 PREFILL_CFG = {(2, 64): (128, 64, 4, 3), (2, 128): (128, 128, 8, 3), (2, 256): (64, 32, 8, 2),
                (4, 64): (32, 32, 8, 1), (4, 128): (32, 32, 8, 1), (4, 256): (16, 16, 4, 1)}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
                    seq_lens_ptr, block_tables_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
@@ -124,7 +127,7 @@ def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_len
              acc.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
                     block_tables_ptr, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_ref import KV_SCALE_BYTES
+from tokenmill.kernels.triton_attention import VARYING_ARGS
 from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
 _LOG2E = 1.4426950408889634
@@ -72,7 +73,7 @@ def rope_and_cache_int8(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _attn_int8_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                       query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
