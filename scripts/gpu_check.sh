@@ -78,6 +78,8 @@ bench() {
             $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \
             --out "$OUT_DIR/latency_$q.json"
     done
+    step "latency no PDL" env TOKENMILL_PDL=0 "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 \
+        --max-num-seqs 8 --async-scheduling --out "$OUT_DIR/latency_nopdl.json"  # the baseline of PDL's gain
     step "prefill 8191" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --prefill-len 8191 --output-len 2 \
         --max-num-batched-tokens 8192 --max-num-seqs 8 --out "$OUT_DIR/prefill_8191.json"
     step "compare-hf" "$PY" -m tokenmill.cli bench compare-hf "${DUMMY[@]}" --max-tokens 128 --repeats 3 \
