@@ -84,7 +84,7 @@ bench() {
         --max-num-batched-tokens 8192 --max-num-seqs 8 --out "$OUT_DIR/prefill_8191.json"
     step "compare-hf" "$PY" -m tokenmill.cli bench compare-hf "${DUMMY[@]}" --max-tokens 128 --repeats 3 \
         --max-num-seqs 8 --out "$OUT_DIR/compare_hf.json"
-    step "throughput" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 \
+    step "throughput" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
         --sweep max_num_batched_tokens=8192 async_scheduling=false,true --out "$OUT_DIR/throughput.json"
 }
 for section in $SECTIONS; do

@@ -11,6 +11,7 @@ import torch
 from tokenmill.bench.ablation import recompute_generate
 from tokenmill.bench.common import build_engine, generate, weight_bytes
 from tokenmill.bench.sweep import parse_sweep
+from tokenmill.bench.throughput import step_breakdown
 from tokenmill.bench.workloads import nano_vllm_workload
 from tokenmill.cli import main
 from tokenmill.config import EngineArgs
@@ -53,6 +54,20 @@ def test_throughput_with_sweep(tmp_path):
         assert row["output_tokens"] == expected
         assert_positive(row, "elapsed_s", "output_tokens_per_s", "total_tokens_per_s", "requests_per_s")
         assert row["total_tokens_per_s"] > row["output_tokens_per_s"]
+        phases = {b["phase"]: b for b in row["breakdown"]}
+        assert phases["prefill steps"]["steps"] >= 1 and phases["decode, batch 1-8"]["steps"] >= 1
+        assert sum(b["seconds"] for b in phases.values()) <= row["elapsed_s"]
+        assert sum(b["share"] for b in phases.values()) == pytest.approx(1.0)
+
+
+def test_step_breakdown_groups_steps_by_phase_and_batch():
+    steps = [(100, 0, 0.5), (50, 3, 0.2), (0, 1, 0.01), (0, 8, 0.03), (0, 9, 0.04), (0, 300, 0.22)]
+    rows = step_breakdown(steps)
+    assert [(r["phase"], r["steps"]) for r in rows] == [
+        ("prefill steps", 2), ("decode, batch 1-8", 2), ("decode, batch 9-32", 1), ("decode, batch > 256", 1)]
+    prefill, small = rows[0], rows[1]
+    assert prefill["seconds"] == pytest.approx(0.7) and prefill["share"] == pytest.approx(0.7)
+    assert small["ms_per_step"] == pytest.approx(20.0) and small["decode_tokens_per_s"] == pytest.approx(9 / 0.04)
 
 
 def test_ablation(tmp_path):

@@ -12,7 +12,7 @@ import platform
 import subprocess
 import time
 from datetime import datetime
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -56,9 +56,10 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def generate(engine: LLMEngine, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
-             ) -> list[RequestOutput]:
-    """Add every prompt at once and step until all are finished (continuous batching); outputs in prompt order."""
+def generate(engine: LLMEngine, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+             on_step: Callable[[LLMEngine], None] | None = None) -> list[RequestOutput]:
+    """Add every prompt at once and step until all are finished (continuous batching); outputs in prompt order.
+    on_step sees the engine after every step (engine.last_step)."""
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     ids = [engine.add_request(None, p, dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
            for p, sp in zip(prompts, params)]
@@ -67,6 +68,8 @@ def generate(engine: LLMEngine, prompts: Sequence[Prompt], params: SamplingParam
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
     return [done[i] for i in ids]
 
 

@@ -1,5 +1,7 @@
 """`tokenmill bench throughput`: workload 2 of BENCHMARKS.md, nano-vllm's offline bench: all requests added at
-once, ignore_eos, a warm-up on 32 of its prompts first; throughput = generated tokens / wall time including prefill."""
+once, ignore_eos, a warm-up on 32 of its prompts first; throughput = generated tokens / wall time including prefill.
+Each pass also records where its time went: the steps that prefill, and the decode-only steps by batch size
+(`--breakdown` prints it), so a gap to a target points at a phase before a profiler is needed."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +23,41 @@ COLUMNS: list[Column] = [
 
 
 WARM_UP_REQUESTS = 32  # with prompts up to 1024 tokens, enough for a full 8192-token prefill step
+BATCH_EDGES = (8, 32, 64, 128, 192, 256)  # decode-only steps grouped by batch size: 1-8, 9-32, ..., > 256
+BREAKDOWN_COLUMNS: list[Column] = [
+    ("phase", "phase"), ("steps", "steps"), ("seconds", "s"), ("share", "share"), ("ms_per_step", "ms/step"),
+    ("decode_tokens_per_s", "decode tok/s"),
+]
+
+
+def _phase(prefill_tokens: int, decode_reqs: int) -> tuple[int, str]:
+    """(order, name) of a step's phase: prefill, or decode-only in a batch-size range."""
+    if prefill_tokens:
+        return 0, "prefill steps"
+    lo = 1
+    for i, hi in enumerate(BATCH_EDGES):
+        if decode_reqs <= hi:
+            return i + 1, f"decode, batch {lo}-{hi}"
+        lo = hi + 1
+    return len(BATCH_EDGES) + 1, f"decode, batch > {BATCH_EDGES[-1]}"
+
+
+def step_breakdown(steps: list[tuple[int, int, float]]) -> list[dict[str, Any]]:
+    """steps: (prefill tokens, decode requests, host seconds) per engine step. One row for the steps that
+    prefill (with whatever decodes ride along), then one per batch-size range of decode-only steps. A step's
+    host time is the step() call's; with async scheduling it includes the wait for the step before, so it is
+    the pipeline's period and the rows add up to the pass's time."""
+    total = sum(t for _, _, t in steps) or 1.0
+    groups: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    for prefill, decode, seconds in steps:
+        groups.setdefault(_phase(prefill, decode), []).append((decode, seconds))
+    rows = []
+    for (_, name), g in sorted(groups.items()):
+        seconds = sum(t for _, t in g)
+        rows.append({"phase": name, "steps": len(g), "seconds": seconds, "share": seconds / total,
+                     "ms_per_step": 1000 * seconds / len(g),
+                     "decode_tokens_per_s": sum(d for d, _ in g) / seconds if seconds else 0.0})
+    return rows
 
 
 def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> dict[str, Any]:
@@ -28,15 +65,22 @@ def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> d
     engine.kv_cache.reset_prefix_cache()
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
     preemptions = engine.scheduler.stats.num_preemptions
+    steps: list[tuple[int, int, float]] = []
+
+    def record(e: LLMEngine) -> None:
+        s = e.last_step
+        steps.append((s.num_prefill_tokens, s.num_decode_reqs, s.step_time))
+
     start = clock(engine.device)
-    outputs = generate(engine, workload.prompts, params)
+    outputs = generate(engine, workload.prompts, params, on_step=record)
     elapsed = clock(engine.device) - start
     out_tokens = num_output_tokens(outputs)
     return {"temperature": temperature, "num_requests": len(workload.prompts),
             "input_tokens": workload.num_input_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
             "requests_per_s": len(outputs) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (workload.num_input_tokens + out_tokens) / elapsed,
-            "num_preemptions": engine.scheduler.stats.num_preemptions - preemptions}
+            "num_preemptions": engine.scheduler.stats.num_preemptions - preemptions,
+            "breakdown": step_breakdown(steps)}
 
 
 def workload_from(ns: argparse.Namespace, vocab_size: int) -> Workload:
@@ -60,6 +104,11 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 title=f"offline throughput, nano-vllm workload ({ns.num_requests} requests, input "
                       f"U[{min(ns.min_input_len, ns.max_input_len)}, {ns.max_input_len}], output "
                       f"U[{min(ns.min_output_len, ns.max_output_len)}, {ns.max_output_len}], ignore_eos)")
+    if ns.breakdown:
+        for row in rows:
+            print_table(row["breakdown"], BREAKDOWN_COLUMNS,
+                        title=f"where the time went, temperature {row['temperature']}"
+                              + "".join(f", {k} {row[k]}" for k in parse_sweep(ns.sweep)[0]))
     result = {**header, "results": rows}
     save_json(result, ns.out)
     return result
@@ -83,6 +132,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     add_workload_args(p, num_requests=256)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 0.0],
                    help="one timed pass per temperature; 0 = greedy (default: 0.6 0.0)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="print each pass's time by phase: prefill steps, decode-only steps by batch size")
     add_sweep_arg(p)
     add_common_args(p)
     p.set_defaults(func=run)
