@@ -75,3 +75,11 @@ def test_kernel_chain_in_a_graph_with_pdl_equals_eager_without(monkeypatch) -> N
             graph.replay()
             assert torch.equal(static_y, y)
     triton_pdl.pdl_enabled.cache_clear()
+
+
+def test_bad_pdl_setting_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv(triton_pdl.PDL_ENV, "yes")
+    triton_pdl.pdl_enabled.cache_clear()
+    with pytest.raises(ValueError, match="TOKENMILL_PDL='yes' is not supported; allowed: 0, 1"):
+        triton_pdl.pdl_enabled(0)
+    triton_pdl.pdl_enabled.cache_clear()

@@ -28,10 +28,12 @@ PDL_ENV = "TOKENMILL_PDL"
 
 @functools.lru_cache
 def pdl_enabled(device_index: int) -> bool:
-    """PDL needs compute capability 9.0 (griddepcontrol); on older GPUs the kernels launch as before."""
+    """PDL needs an NVIDIA GPU of compute capability 9.0 or later (griddepcontrol); elsewhere, ROCm included
+    (whose MI300 also reports 9.x), the kernels launch as before."""
     if os.environ.get(PDL_ENV, "1") not in ("0", "1"):
         raise ValueError(f"{PDL_ENV}={os.environ[PDL_ENV]!r} is not supported; allowed: 0, 1")
-    return os.environ.get(PDL_ENV, "1") == "1" and torch.cuda.get_device_capability(device_index)[0] >= 9
+    return (os.environ.get(PDL_ENV, "1") == "1" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 
 def pdl_flag(t: torch.Tensor) -> bool:
