@@ -61,10 +61,11 @@ def test_throughput_with_sweep(tmp_path):
 
 
 def test_step_breakdown_groups_steps_by_phase_and_batch():
-    steps = [(100, 0, 0.5), (50, 3, 0.2), (0, 1, 0.01), (0, 8, 0.03), (0, 9, 0.04), (0, 300, 0.22)]
+    steps = [(100, 0, 0.5), (50, 3, 0.2), (0, 1, 0.01), (0, 8, 0.03), (0, 9, 0.04), (0, 300, 0.12), (0, 0, 0.1)]
     rows = step_breakdown(steps)
     assert [(r["phase"], r["steps"]) for r in rows] == [
-        ("prefill steps", 2), ("decode, batch 1-8", 2), ("decode, batch 9-32", 1), ("decode, batch > 256", 1)]
+        ("prefill steps", 2), ("decode, batch 1-8", 2), ("decode, batch 9-32", 1), ("decode, batch > 256", 1),
+        ("read back only", 1)]
     prefill, small = rows[0], rows[1]
     assert prefill["seconds"] == pytest.approx(0.7) and prefill["share"] == pytest.approx(0.7)
     assert small["ms_per_step"] == pytest.approx(20.0) and small["decode_tokens_per_s"] == pytest.approx(9 / 0.04)

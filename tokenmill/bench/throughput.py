@@ -31,9 +31,12 @@ BREAKDOWN_COLUMNS: list[Column] = [
 
 
 def _phase(prefill_tokens: int, decode_reqs: int) -> tuple[int, str]:
-    """(order, name) of a step's phase: prefill, or decode-only in a batch-size range."""
+    """(order, name) of a step's phase: prefill, decode-only in a batch-size range, or nothing launched (with
+    async scheduling the last step of a pass only reads back the one before)."""
     if prefill_tokens:
         return 0, "prefill steps"
+    if not decode_reqs:
+        return len(BATCH_EDGES) + 2, "read back only"
     lo = 1
     for i, hi in enumerate(BATCH_EDGES):
         if decode_reqs <= hi:

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -29,7 +29,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if x2.shape[0] and n:
         block = min(triton.next_power_of_2(n), 1024)
-        pdl = pdl_flag(x)
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block, PDL=pdl,
-                                                                    num_warps=4, launch_pdl=pdl)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block,
+                                                                    num_warps=4, **pdl_args(x))
     return out

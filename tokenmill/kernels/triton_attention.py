@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 _LOG2E = 1.4426950408889634
 
@@ -246,7 +246,7 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     d_pad = max(16, triton.next_power_of_2(head_dim))
     tile_n = DECODE_CFG["tile_n"] if q.element_size() < 4 else 32
     one = num_parts == 1
-    pdl = pdl_flag(q)
+    pdl = pdl_args(q)
     if one:
         part_out = part_m = part_l = out  # unused
     else:
@@ -260,14 +260,14 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_heads, num_parts,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, PARTITION=partition, TILE_N=tile_n,
-        PRECISION=_precision(q.dtype), PDL=pdl, num_warps=DECODE_CFG["num_warps"],
-        num_stages=DECODE_CFG["num_stages"], launch_pdl=pdl)
+        PRECISION=_precision(q.dtype), num_warps=DECODE_CFG["num_warps"],
+        num_stages=DECODE_CFG["num_stages"], **pdl)
     if not one:
         p_pad = triton.next_power_of_2(num_parts)
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_m, part_l, out, seq_lens, out.stride(0), out.stride(1), num_heads, num_parts,
-            HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, P_PAD=p_pad, P_CHUNK=min(p_pad, 16), PDL=pdl,
-            num_warps=4, launch_pdl=pdl)
+            HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, P_PAD=p_pad, P_CHUNK=min(p_pad, 16),
+            num_warps=4, **pdl)
 
 
 def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 DENSE, INT8, INT4 = 0, 1, 2
 DEQUANT_MODES = ("cvt", "bits", "prmt")
@@ -236,19 +236,18 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     per_channel = kind == INT8 and group >= k
     group_k = 0 if per_channel or kind == DENSE else group
     s = w if scales is None else scales
-    pdl = pdl_flag(x)
+    pdl = pdl_args(x)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x1, w, s, s if mins is None else mins, out if bias is None else bias, part,
         n, k, 1 if scales is None else scales.shape[1], k_per_split, w.stride(0), s.stride(0),
         INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
         HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB=sub_tile(group_k, cfg.block_k), PRMT=kind == INT4 and cfg.dequant == "prmt",
-        BITS=kind != DENSE and cfg.dequant != "cvt", PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl)
+        BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1, **pdl)
     if split > 1:
         block = 1024
         split_reduce_kernel[(triton.cdiv(n, block),)](part, out if bias is None else bias, out, n, n, split,
-                                                       HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl,
-                                                       launch_pdl=pdl)
+                                                       HAS_BIAS=bias is not None, BLOCK=block, **pdl)
     return out.view(*x.shape[:-1], n)
 
 

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -52,12 +52,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     rows = x3.shape[0] * x3.shape[1]
     if rows:
         block = triton.next_power_of_2(n)
-        pdl = pdl_flag(x)
         _rms_norm_kernel[(rows,)](
             x3, r3, weight, out, res_out, eps, x3.shape[1],
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, PDL=pdl,
-            num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl)
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(max(block // 512, 1), 16), **pdl_args(x))
     return out, (res_out if residual is not None else None)
 
 

@@ -1,5 +1,5 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched with it is scheduled while the kernel
-before it still runs, instead of after that kernel has drained. At batch 1 a decode step is ~290 kernels, most of
+before it still runs, instead of after that kernel has drained. At batch 1 a decode step is ~330 kernels, most of
 them a few microseconds long, so the drain-and-fill at each boundary is a real share of the step (batch-1
 decode, Llama-3-8B shape, H200: 224.6 tokens/s without, 233.2 with). Prefetching a GEMV's first weights into
 L2 before its wait was tried and lost (229.9 with 1 KB a row, 204.8 with 4 KB): the prefetch competes with the
@@ -10,7 +10,8 @@ The contract, for every kernel launched with `launch_pdl=True` (PDL constexpr se
   writes nothing (its output buffer may still be read by an earlier kernel);
 - `pdl_wait` returns once every earlier kernel has finished and its writes are visible;
 - `pdl_release` lets the next kernel be scheduled: small kernels call it first thing, GEMVs after their main
-  loop, so at most a kernel or two wait ahead and hold multiprocessor slots.
+  loop. So a run of small kernels and the GEMV after them are resident together (each waiting for the one
+  before), while a GEMV's own programs never compete with waiting ones before its last wave.
 
 TOKENMILL_PDL=0 turns it off, so a benchmark can measure what it gains."""
 from __future__ import annotations
@@ -36,19 +37,23 @@ def pdl_enabled(device_index: int) -> bool:
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 
-def pdl_flag(t: torch.Tensor) -> bool:
-    """PDL for a launch on t's device."""
-    return t.is_cuda and pdl_enabled(t.device.index or 0)
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """The keyword arguments of a launch on t's device: the kernel's PDL flag, and launch_pdl where PDL is on
+    (only the NVIDIA backend of Triton knows that option; ROCm's refuses it)."""
+    if t.is_cuda and pdl_enabled(t.device.index or 0):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
+    """Wait until the kernels before have finished and their writes are visible (no-op without PDL)."""
     if PDL:
         gdc_wait()
 
 
 @triton.jit
 def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel be scheduled now; it still waits for this one in its own pdl_wait."""
     if PDL:
         gdc_launch_dependents()
-

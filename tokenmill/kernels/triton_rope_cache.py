@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_pdl import pdl_flag, pdl_release, pdl_wait
+from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -92,7 +92,6 @@ def _launch(k: torch.Tensor, positions: torch.Tensor | None = None, q: torch.Ten
     if not rotate:
         positions = cos_sin_cache = k
     if num_tokens:
-        pdl = pdl_flag(k)
         _rope_cache_kernel[(num_tokens,)](
             positions, q, k, v, cos_sin_cache, q_out, k_out, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -101,7 +100,7 @@ def _launch(k: torch.Tensor, positions: torch.Tensor | None = None, q: torch.Ten
             NUM_HEADS=q.shape[1], NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(q.shape[1]),
             KV_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=k_cache.shape[1] if write_cache else 1,
-            ROTATE=rotate, WRITE_CACHE=write_cache, PDL=pdl, num_warps=4, launch_pdl=pdl)
+            ROTATE=rotate, WRITE_CACHE=write_cache, num_warps=4, **pdl_args(k))
     return (q_out if rotate else None), (None if write_cache else k_out)
 
 
