@@ -7,12 +7,11 @@ memory. Decode launches a fixed grid derived from tensor shapes only, so it can 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_gemv import num_sms
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 _LOG2E = 1.4426950408889634
@@ -224,11 +223,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-@functools.lru_cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Split each context into fixed partitions (count from static shapes only: graph-capturable),
@@ -240,7 +234,7 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     max_ctx = block_tables.shape[1] * block_size
     partition = DECODE_CFG["partition"]
     # Long partitions read best, but a small batch needs more of them to give every multiprocessor work.
-    while partition > 256 and num_seqs * num_kv_heads * triton.cdiv(max_ctx, partition) < _num_sms(q.device.index):
+    while partition > 256 and num_seqs * num_kv_heads * triton.cdiv(max_ctx, partition) < num_sms(q.device.index or 0):
         partition //= 2
     num_parts = max(triton.cdiv(max_ctx, partition), 1)
     d_pad = max(16, triton.next_power_of_2(head_dim))

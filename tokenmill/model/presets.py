@@ -6,6 +6,16 @@ import copy
 
 from tokenmill.config import ModelConfig
 
+
+def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> ModelConfig:
+    """A dense Qwen3: what the sizes share (vocabulary, 8 KV heads of 128, q/k norm, rope, tokens) is fixed."""
+    return ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=tied, qk_norm=True,
+        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16")
+
+
 PRESETS: dict[str, ModelConfig] = {
     "llama-3-8b": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -19,37 +29,13 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000, eos_token_id=[128001, 128009], torch_dtype="bfloat16"),
     # The dense Qwen3 family, from the config.json of Qwen/Qwen3-<size>: head_dim 128 and 8 KV heads throughout,
     # the LM head tied to the embedding up to 4B.
-    "qwen3-0.6b": ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
-        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
-    "qwen3-1.7b": ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
-        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
-    "qwen3-4b": ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
-        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
-    "qwen3-8b": ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
-        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
-    "qwen3-14b": ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
-        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
-        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
+    "qwen3-0.6b": _qwen3(hidden=1024, ffn=3072, layers=28, heads=16, tied=True),
+    "qwen3-1.7b": _qwen3(hidden=2048, ffn=6144, layers=28, heads=16, tied=True),
+    "qwen3-4b": _qwen3(hidden=2560, ffn=9728, layers=36, heads=32, tied=True),
+    "qwen3-8b": _qwen3(hidden=4096, ffn=12288, layers=36, heads=32, tied=False),
+    "qwen3-14b": _qwen3(hidden=5120, ffn=17408, layers=40, heads=40, tied=False),
     # 64 x 128 = 8192 query features from a 5120-wide hidden state (head_dim is not hidden / heads)
-    "qwen3-32b": ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
-        num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
-        bos_token_id=151643, eos_token_id=[151645, 151643], torch_dtype="bfloat16"),
+    "qwen3-32b": _qwen3(hidden=5120, ffn=25600, layers=64, heads=64, tied=False),
     # Mistral-7B v0.3: no sliding window, 32768-token vocabulary.
     "mistral-7b": ModelConfig(
         architecture="MistralForCausalLM", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
