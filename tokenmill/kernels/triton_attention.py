@@ -27,6 +27,18 @@ PREFILL_CFG = {(2, 64): (128, 64, 4, 3), (2, 128): (128, 128, 8, 3), (2, 256): (
                (4, 64): (32, 32, 8, 1), (4, 128): (32, 32, 8, 1), (4, 256): (16, 16, 4, 1)}
 
 
+@triton.jit
+def _kv_tile(ptrs, mask, DTYPE: tl.constexpr):
+    """A K or V tile as DTYPE. An e4m3 cache is converted by PTX that Triton cannot move: left to itself the
+    compiler converts after moving the bytes into the dot's layout, one shared-memory byte load an element."""
+    if ptrs.dtype.element_ty == tl.float8e4nv:
+        raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.uint8, bitcast=True)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4).to(DTYPE)
+    return tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
+
+
 @triton.jit(do_not_specialize=VARYING_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
                    seq_lens_ptr, block_tables_ptr, scale_log2,
@@ -55,6 +67,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -67,14 +81,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         block = tl.load(table + col, mask=n_mask & (col < table_cols), other=0).to(tl.int64)
         kv_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = _kv_tile(k_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = _kv_tile(v_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -182,14 +196,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
         block = tl.load(table + col, mask=n_mask & (col < table_cols), other=0).to(tl.int64)
         kv_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = _kv_tile(k_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = _kv_tile(v_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
