@@ -11,7 +11,7 @@ import torch
 from tokenmill.bench.ablation import recompute_generate
 from tokenmill.bench.common import build_engine, generate, weight_bytes
 from tokenmill.bench.sweep import parse_sweep
-from tokenmill.bench.throughput import step_breakdown
+from tokenmill.bench.throughput import step_breakdown, triton_compiles
 from tokenmill.bench.workloads import nano_vllm_workload
 from tokenmill.cli import main
 from tokenmill.config import EngineArgs
@@ -58,6 +58,29 @@ def test_throughput_with_sweep(tmp_path):
         assert phases["prefill steps"]["steps"] >= 1 and phases["decode, batch 1-8"]["steps"] >= 1
         assert sum(b["seconds"] for b in phases.values()) <= row["elapsed_s"]
         assert sum(b["share"] for b in phases.values()) == pytest.approx(1.0)
+        assert row["triton_compiles"] == []  # the CPU kernels are torch's
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles for a GPU")
+def test_triton_compiles_records_first_uses_only():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n):
+        offs = tl.arange(0, 16)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x = torch.zeros(16, device="cuda")
+    with triton_compiles() as first:
+        add_one[(1,)](x, 16)
+    with triton_compiles() as again:
+        add_one[(1,)](x, 16)
+    with triton_compiles() as new_specialization:
+        add_one[(1,)](x, 7)  # 16 is specialized as divisible by 16, 7 is not
+    assert again == [] and len(first) == 1 and len(new_specialization) == 1
+    assert first[0].split("(")[0].endswith("add_one") and "n%16" in first[0] and "n%16" not in new_specialization[0]
+    assert x[:7].tolist() == [3.0] * 7 and x[7:].tolist() == [2.0] * 9
 
 
 def test_step_breakdown_groups_steps_by_phase_and_batch():

@@ -1,10 +1,13 @@
 """`tokenmill bench throughput`: workload 2 of BENCHMARKS.md, nano-vllm's offline bench: all requests added at
 once, ignore_eos, a warm-up on 32 of its prompts first; throughput = generated tokens / wall time including prefill.
 Each pass also records where its time went: the steps that prefill, and the decode-only steps by batch size
-(`--breakdown` prints it), so a gap to a target points at a phase before a profiler is needed."""
+(`--breakdown` prints it), so a gap to a target points at a phase before a profiler is needed, and which Triton
+kernels were compiled during the pass (a first use stalls the pass for the compilation)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tokenmill.bench.common import (Column, add_common_args, clock, generate, num_output_tokens, print_table,
@@ -63,6 +66,36 @@ def step_breakdown(steps: list[tuple[int, int, float]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _specialization(name: str, arg_names: list[str], compile_info: dict[str, Any]) -> str:
+    """'kernel(arg=value, arg%16, ...)': the constants (constexprs, integers specialized as 1) and the arguments
+    specialized as multiples of 16, which is what tells two compilations of one kernel apart."""
+    parts = [f"{arg_names[i]}={value}" for (i, *_), value in compile_info["constants"].items()]
+    parts += [f"{arg_names[i]}%16" for (i, *_), attrs in compile_info["configs"][0].items() if any(a[0] == "tt.divisibility" for a in attrs)]
+    return f"{name}({', '.join(parts)})"
+
+
+@contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """The Triton kernels compiled in this process inside the block (name and specialization of each)."""
+    compiled: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (CPU-only torch): nothing is compiled
+        yield compiled
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs: Any) -> bool | None:
+        compiled.append(_specialization(kwargs["fn"].name, kwargs["fn"].jit_function.arg_names, kwargs["compile"]))
+        return previous(**kwargs) if previous else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
 def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> dict[str, Any]:
     """One timed pass over the workload; the prefix cache is emptied first so no pass reuses another's prompts."""
     engine.kv_cache.reset_prefix_cache()
@@ -74,16 +107,17 @@ def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> d
         s = e.last_step
         steps.append((s.num_prefill_tokens, s.num_decode_reqs, s.step_time))
 
-    start = clock(engine.device)
-    outputs = generate(engine, workload.prompts, params, on_step=record)
-    elapsed = clock(engine.device) - start
+    with triton_compiles() as compiled:
+        start = clock(engine.device)
+        outputs = generate(engine, workload.prompts, params, on_step=record)
+        elapsed = clock(engine.device) - start
     out_tokens = num_output_tokens(outputs)
     return {"temperature": temperature, "num_requests": len(workload.prompts),
             "input_tokens": workload.num_input_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
             "requests_per_s": len(outputs) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (workload.num_input_tokens + out_tokens) / elapsed,
             "num_preemptions": engine.scheduler.stats.num_preemptions - preemptions,
-            "breakdown": step_breakdown(steps)}
+            "breakdown": step_breakdown(steps), "triton_compiles": compiled}
 
 
 def workload_from(ns: argparse.Namespace, vocab_size: int) -> Workload:
@@ -112,6 +146,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
             print_table(row["breakdown"], BREAKDOWN_COLUMNS,
                         title=f"where the time went, temperature {row['temperature']}"
                               + "".join(f", {k} {row[k]}" for k in parse_sweep(ns.sweep)[0]))
+            names = sorted({c.split("(", 1)[0] for c in row["triton_compiles"]})
+            print(f"Triton kernels compiled during the pass: {len(row['triton_compiles'])}"
+                  + (f" ({', '.join(names)})" if names else ""))
     result = {**header, "results": rows}
     save_json(result, ns.out)
     return result
