@@ -36,6 +36,7 @@ LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "
 LAYER = ("qkv", "o", "gate_up", "down")  # a decoder layer's matrices: the tuning objective is their total time
 Timings = dict[tuple[int, GemvConfig], dict[str, float]]  # (kind, config) -> matrix -> ms
 ROTATE_BYTES = 512 << 20
+KINDS = {"bf16": DENSE, "int8": INT8, "int4": INT4}
 
 
 def _copies(nbytes: int) -> int:
@@ -49,17 +50,19 @@ def time_rotating(fn: Callable[..., object], args_list: list[tuple]) -> float:
     return median_ms(lambda: fn(*next(it)), reps=reps)
 
 
-def grid(kind: int) -> list[GemvConfig]:
+def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
+    """Tile shapes to search; dequant: the quantized kinds' dequantization (default: their committed one)."""
+    mode = "cvt" if kind == DENSE else dequant or default_config(kind).dequant
     cfgs = []
-    for bn, bk, warps, pps in itertools.product((4, 8, 16, 32, 64, 128), (128, 256, 512, 1024), (4, 8), (1, 2, 4)):
+    for bn, bk, warps, pps in itertools.product((4, 8, 16, 32, 64, 128, 256), (128, 256, 512, 1024), (4, 8), (1, 2, 4)):
         acc = bn * (min(bk, 128) // 2 if kind == INT4 else bk) // (32 * warps)  # fp32 accumulators a thread
         if 4 <= acc <= 64:
-            cfgs.append(GemvConfig(bn, bk, 0, warps, ("cvt", "bits", "prmt")[kind], pps))
+            cfgs.append(GemvConfig(bn, bk, 0, warps, mode, pps))
     return cfgs
 
 
-def bench(name: str, n: int, k: int, tune: bool, timings: Timings) -> list[dict]:
-    """Rows for one matrix; with tune, every grid config's time goes into timings[(kind, config)][name]."""
+def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timings: Timings) -> list[dict]:
+    """Rows for one matrix; every grid config's time of a kind in tune goes into timings[(kind, config)][name]."""
     rows = []
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -74,7 +77,7 @@ def bench(name: str, n: int, k: int, tune: bool, timings: Timings) -> list[dict]
     moved = w0.numel() * 2
     row("bf16 F.linear", time_rotating(F.linear, dense_args), moved)
     row("bf16 gemv", time_rotating(dense_gemv, dense_args), moved, default_config(DENSE))
-    if tune:
+    if DENSE in tune:
         ms, cfg = search(lambda x, w, cfg: dense_gemv(x, w, None, cfg), dense_args, grid(DENSE), DENSE, name,
                          timings)
         row("bf16 gemv best", ms, moved, cfg)
@@ -91,11 +94,11 @@ def bench(name: str, n: int, k: int, tune: bool, timings: Timings) -> list[dict]
         qargs = [(x, q.qweight, q.scales, q.mins, k, fmt.group(k), None) for q in copies]
         tile = pick_config(1, n, k, x.device)
         row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
-        row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind))
-        if tune:
-            ms, cfg = search(quant_gemv, qargs, grid(kind), kind, name, timings)
+        row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n))
+        if kind in tune:
+            ms, cfg = search(quant_gemv, qargs, grid(kind, dequant), kind, name, timings)
             row(f"{fmt_name} gemv best", ms, moved, cfg)
-            for mode in DEQUANT_MODES[:2] if kind == INT4 else DEQUANT_MODES[:1]:
+            for mode in (m for m in DEQUANT_MODES if m != cfg.dequant and (kind == INT4 or m in ("cvt", "bits"))):
                 alt = dataclasses.replace(cfg, dequant=mode)
                 row(f"{fmt_name} gemv best, {mode}",
                     time_rotating(lambda *a, alt=alt: quant_gemv(*a, alt), qargs), moved, alt)
@@ -131,7 +134,10 @@ def describe(cfg: GemvConfig) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tune", action="store_true", help="also search the GEMV tile grid")
+    parser.add_argument("--tune", nargs="*", choices=list(KINDS), metavar="KIND",
+                        help="also search the GEMV tile grid of these kinds (none named: all of them)")
+    parser.add_argument("--dequant", choices=DEQUANT_MODES[1:],
+                        help="the quantized kinds' dequantization in the search (default: their committed one)")
     parser.add_argument("--matrices", nargs="+", default=list(LLAMA3_8B), choices=list(LLAMA3_8B))
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
@@ -139,7 +145,8 @@ def main() -> None:
         raise SystemExit("the GEMV bench needs a CUDA GPU")
     torch.manual_seed(0)
     timings: Timings = {}
-    rows = [r for name in args.matrices for r in bench(name, *LLAMA3_8B[name], args.tune, timings)]
+    tune = set() if args.tune is None else {KINDS[k] for k in args.tune or KINDS}
+    rows = [r for name in args.matrices for r in bench(name, *LLAMA3_8B[name], tune, args.dequant, timings)]
     print(f"{'matrix':<8} {'shape':<11} {'kernel':<24} {'us':>7} {'%HBM':>5}  config")
     for r in rows:
         print(f"{r['matrix']:<8} {r['shape']:<11} {r['kernel']:<24} {r['us']:>7.1f} {r['pct_of_hbm']:>5.0f}  "

@@ -15,6 +15,13 @@ nibble keeps it (the high nibble as 16 q, its x scaled by 1/16), and a fused mul
 offset exactly: three integer instructions a byte instead of six (counted in the SASS). Either way a group's
 scale and min are applied once per packed byte (nibble pair): sum (q s + m) x = s sum q x + m sum x.
 
+"unit" (INT4 only, its own kernel, the default for 16-bit activations): the weight becomes a float near 1.0
+instead of near 2^23, so the offset can stay in the sum: 1 + q / 128 (low nibble) and 1 + q / 2048 (high
+nibble, its x times 16). Each weight then costs one fused multiply-add into a thread's partial sum over CHUNK
+bytes of a row; a group's sum of x takes the offset off, and its scale and min apply once per chunk: 3.6 to 5.6
+SASS instructions a weight (256- to 64-row tiles) against 6.1 for "prmt". float32 keeps ~17 bits of each
+product, which a 16-bit output never sees (float32 activations take "prmt").
+
 When N / BLOCK_N tiles are too few to keep every multiprocessor streaming, K is split over programs and the
 fp32 partial sums are added in split order by a second kernel, so results never depend on timing.
 """
@@ -30,7 +37,7 @@ import triton.language as tl
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 DENSE, INT8, INT4 = 0, 1, 2
-DEQUANT_MODES = ("cvt", "bits", "prmt")
+DEQUANT_MODES = ("cvt", "bits", "prmt", "unit")
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,9 @@ class GemvConfig:
     block_k: int  # input features per tile (INT4: bytes per row are half that)
     split_k: int = 0  # 0: split until there are about programs_per_sm programs per multiprocessor
     num_warps: int = 4
-    dequant: str = "prmt"  # cvt | bits | prmt (INT4; INT8 treats it as bits); see the module docstring
+    dequant: str = "prmt"  # cvt | bits | prmt | unit (prmt and unit: INT4; INT8 treats them as bits); see above
     programs_per_sm: int = 4
+    chunk: int = 16  # unit: bytes of a row summed in one thread before the group's scale applies to them
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -54,10 +62,15 @@ class GemvConfig:
 
 
 # The configs with the least total time over a Llama-3-8B layer's four matrices on the H200, 2026-11-30
-# (`python -m tokenmill.kernels.bench_gemv --tune`, figures in docs/BENCHMARKS.md).
+# (`python -m tokenmill.kernels.bench_gemv --tune`, figures in docs/BENCHMARKS.md). INT4 takes a wider tile for
+# matrices of WIDE_N outputs or more (gate/up: 31.9 us against 35.0 with the other tile, which wins on o).
 DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
 INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
-INT4_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
+INT4_CFG = GemvConfig(64, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=8)
+INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
+WIDE_N = 16384
+# float32 activations keep full precision: "unit" would round each product to ~17 bits.
+INT4_FP32_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
 
 
 @triton.jit
@@ -135,6 +148,98 @@ def _magic_nibbles(packed):
 
 
 @triton.jit
+def _store_rows(y, b_ptr, out_ptr, offs_n, N, pid_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's rows: fp32 partial sums of its split, or (one split) + bias in out's dtype."""
+    if SPLIT:
+        tl.store(out_ptr + pid_k * N + offs_n, y, mask=offs_n < N)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _unit_word(word):
+    """A packed INT4 word (bytes 0-3) as floats near 1, in byte order: [..., 4] low nibbles (1 + q / 128) and
+    [..., 4] high nibbles (1 + q / 2048). PTX: one byte permute puts a byte under 1.0's exponent twice, one LOP3
+    a nibble keeps it."""
+    l0, l1, l2, l3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 w0, w1, w2, w3;
+        prmt.b32 w0, $8, 0x3F800000, 0x7004;
+        prmt.b32 w1, $8, 0x3F800000, 0x7114;
+        prmt.b32 w2, $8, 0x3F800000, 0x7224;
+        prmt.b32 w3, $8, 0x3F800000, 0x7334;
+        lop3.b32 $0, w0, 0xFF0F0000, 0x00800000, 0xEA;
+        lop3.b32 $1, w1, 0xFF0F0000, 0x00800000, 0xEA;
+        lop3.b32 $2, w2, 0xFF0F0000, 0x00800000, 0xEA;
+        lop3.b32 $3, w3, 0xFF0F0000, 0x00800000, 0xEA;
+        lop3.b32 $4, w0, 0xFF00F000, 0x00800000, 0xEA;
+        lop3.b32 $5, w1, 0xFF00F000, 0x00800000, 0xEA;
+        lop3.b32 $6, w2, 0xFF00F000, 0x00800000, 0xEA;
+        lop3.b32 $7, w3, 0xFF00F000, 0x00800000, 0xEA;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[word], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    return tl.join(tl.join(l0, l2), tl.join(l1, l3)), tl.join(tl.join(h0, h2), tl.join(h1, h3))  # join adds the last axis
+
+
+@triton.jit
+def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_byte,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr):
+    """One sub-tile of packed words q added to part, the rows' partial sums by CHUNK bytes ([BLOCK_N, C])."""
+    kl = ks + k_of_byte
+    x_lo = tl.load(x_ptr + kl, mask=kl < K, other=0.0).to(tl.float32)[None, :]
+    x_hi = tl.load(x_ptr + kl + 16, mask=kl + 16 < K, other=0.0).to(tl.float32)[None, :]
+    v_lo, v_hi = _unit_word(q)
+    v_lo = tl.reshape(v_lo, [BLOCK_N, C, CHUNK])
+    v_hi = tl.reshape(v_hi, [BLOCK_N, C, CHUNK])
+    x_lo = tl.reshape(x_lo, [1, C, CHUNK])
+    x_hi16 = tl.reshape(x_hi, [1, C, CHUNK]) * 16.0
+    dot = tl.sum(v_lo * x_lo, 2) + tl.sum(v_hi * x_hi16, 2)
+    offset = tl.sum(x_lo + x_hi16, 2)
+    x_sum = tl.sum(x_lo + x_hi16 * 0.0625, 2)
+    scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
+    low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP)
+    return part + (dot - offset) * (scale * 128.0) + x_sum * low
+
+
+@triton.jit
+def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
+                      stride_wn, stride_sn,
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SUB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """INT4 with "unit" dequantization (module docstring). w_ptr is the packed weight as 32-bit words (stride_wn
+    in words): as bytes, a tile carried from one step to the next is re-packed at every use; words are loaded
+    one sub-tile ahead, so each program keeps a sub-tile in flight while it sums the one before."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < N)[:, None]
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_off = offs_n.to(tl.int64)[:, None] * stride_sn
+    C: tl.constexpr = SUB // 2 // CHUNK
+    byte = tl.arange(0, SUB // 2)
+    k_of_byte = (byte // 16) * 32 + byte % 16  # the input of the byte's low nibble
+    word = tl.arange(0, SUB // 8)
+    k_of_word = (word // 4) * 32  # the first input of the word's packing block: rows are padded to blocks
+    k_lo = pid_k * k_per_split
+    k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
+    part = tl.zeros([BLOCK_N, C], tl.float32)
+    pdl_wait(PDL)
+    nxt = tl.load(rows + (k_lo // 8 + word)[None, :], mask=n_mask & (k_lo + k_of_word < K)[None, :], other=0)
+    for ks in range(k_lo, k_hi, SUB):
+        q = nxt
+        w_next = tl.multiple_of((ks + SUB) // 8, 4)  # splits and sub-tiles start on 16-byte packing blocks
+        nxt = tl.load(rows + (w_next + word)[None, :],
+                      mask=n_mask & ((ks + SUB + k_of_word < K) & (ks + SUB < k_hi))[None, :], other=0)
+        part = _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_byte,
+                                  GROUP, BLOCK_N, C, CHUNK)
+    pdl_release(PDL)
+    y = tl.sum(part, 1)
+    _store_rows(y, b_ptr, out_ptr, offs_n, N, pid_k, HAS_BIAS, SPLIT)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
                  stride_wn, stride_sn,
                  INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -195,12 +300,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
     y = tl.sum(acc, axis=1)
     if PER_CHANNEL:
         y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
-    if SPLIT:
-        tl.store(out_ptr + pid_k * N + offs_n, y, mask=offs_n < N)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    _store_rows(y, b_ptr, out_ptr, offs_n, N, pid_k, HAS_BIAS, SPLIT)
 
 
 def sub_tile(group: int, block_k: int) -> int:
@@ -208,7 +308,12 @@ def sub_tile(group: int, block_k: int) -> int:
     return group if 0 < group < block_k else block_k
 
 
-def default_config(kind: int) -> GemvConfig:
+def default_config(kind: int, n: int = 0, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+    """The tuned config for a kind of weight with n output features and activations of dtype."""
+    if kind == INT4 and dtype == torch.float32:
+        return INT4_FP32_CFG
+    if kind == INT4 and n >= WIDE_N:
+        return INT4_WIDE_CFG
     return (DENSE_CFG, INT8_CFG, INT4_CFG)[kind]
 
 
@@ -224,7 +329,7 @@ def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
 
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
             n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None) -> torch.Tensor:
-    cfg = cfg or default_config(kind)
+    cfg = cfg or default_config(kind, n, x.dtype)
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
@@ -237,13 +342,21 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     group_k = 0 if per_channel or kind == DENSE else group
     s = w if scales is None else scales
     pdl = pdl_args(x)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x1, w, s, s if mins is None else mins, out if bias is None else bias, part,
-        n, k, 1 if scales is None else scales.shape[1], k_per_split, w.stride(0), s.stride(0),
-        INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SUB=sub_tile(group_k, cfg.block_k), PRMT=kind == INT4 and cfg.dequant == "prmt",
-        BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1, **pdl)
+    args = (x1, w, s, s if mins is None else mins, out if bias is None else bias, part,
+            n, k, 1 if scales is None else scales.shape[1], k_per_split, w.stride(0), s.stride(0))
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    sub = sub_tile(group_k, cfg.block_k)
+    if kind == INT4 and cfg.dequant == "unit":  # packed rows are whole 16-byte blocks: read as 32-bit words
+        _int4_unit_kernel[grid](args[0], w.view(torch.int32), *args[2:10], w.stride(0) // 4, args[11],
+                                GROUP=group_k, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n,
+                                SUB=sub, CHUNK=min(cfg.chunk, sub // 2), num_warps=cfg.num_warps, num_stages=1,
+                                **pdl)
+    else:
+        _gemv_kernel[grid](*args, INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
+                           HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           SUB=sub, PRMT=kind == INT4 and cfg.dequant == "prmt",
+                           BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1,
+                           **pdl)
     if split > 1:
         block = 1024
         split_reduce_kernel[(triton.cdiv(n, block),)](part, out if bias is None else bias, out, n, n, split,
