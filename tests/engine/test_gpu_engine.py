@@ -73,3 +73,16 @@ def test_bf16_logprobs_close_to_float32():
     # kernel moves them by whole units.
     diffs = [abs(v - b.top[tid]) for a, b in zip(lp32, lp16) for tid, v in a.top.items() if tid in b.top]
     assert len(diffs) >= len(PROMPTS) and max(diffs) < 0.3
+
+
+def test_short_prefills_compile_no_attention_kernel_after_startup(model_dir):
+    """Prefill attention's query tile shrinks with the longest query; the runner compiles every tile at startup
+    (a first compilation mid-serving stalls every running request for a second or more)."""
+    from tokenmill.bench.throughput import triton_compiles
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", enforce_eager=True)
+    with triton_compiles() as compiled:
+        for n in (3, 12, 20, 40, 68):  # query tiles 16, 16, 32, 64 and the full 128
+            llm.generate([PROMPTS[-1][:n]], GREEDY)
+    del llm
+    release()
+    assert not [c for c in compiled if c.startswith("_prefill_kernel")], compiled

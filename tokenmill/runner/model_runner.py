@@ -85,6 +85,8 @@ class ModelRunner:
         self.tp_size = tp_size()
         self.num_blocks = all_reduce_min(self._num_blocks())  # every rank's cache holds the same block ids
         self._allocate_kv_cache()
+        if device.type == "cuda":
+            self._compile_prefill_tiles()
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, device, args.seed)
         self.rejection_sampler = RejectionSampler(self.sampler) if args.speculative else None
         self.staging = StagingBuffer(device) if device.type == "cuda" else None
@@ -118,13 +120,25 @@ class ModelRunner:
         """Run the worst-case prefill batch once, then give the KV pool what utilization leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        n = min(self.args.max_num_batched_tokens, self.max_model_len)
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
                 width = kv_row_width(m.head_dim, self.kv_dtype)
                 m.k_cache = torch.zeros(2, self.block_size, m.num_kv_heads, width, dtype=self.kv_dtype,
                                         device=self.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
+        self._placeholder_prefill(self._max_prefill(), logits=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        in_use_by_others = total - free - torch.cuda.memory_reserved()
+        return int(total * self.args.gpu_memory_utilization - peak - max(in_use_by_others, 0))
+
+    def _max_prefill(self) -> int:
+        return min(self.args.max_num_batched_tokens, self.max_model_len)
+
+    def _placeholder_prefill(self, n: int, logits: bool = False) -> None:
+        """One sequence of n placeholder tokens through the model (slot -1: nothing is written to the cache);
+        logits: also the LM head over as many rows as a step can sample."""
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
@@ -134,12 +148,19 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with forward_context(meta):
             hidden = self.model(ids, torch.arange(n, device=self.device))
-            self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        free, total = torch.cuda.mem_get_info()
-        in_use_by_others = total - free - torch.cuda.memory_reserved()
-        return int(total * self.args.gpu_memory_utilization - peak - max(in_use_by_others, 0))
+            if logits:
+                self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
+
+    @torch.inference_mode()
+    def _compile_prefill_tiles(self) -> None:
+        """Triton compiles a kernel variant at its first launch, a second or more when its disk cache is cold.
+        Prefill attention shrinks its query tile to a batch's longest query (PREFILL_QUERY_TILES), so the short
+        last chunk of a long prompt would stall serving for a compilation; one placeholder prefill per tile
+        compiles them all at startup (the profiling run compiled the full tile)."""
+        from tokenmill.kernels.triton_attention import PREFILL_QUERY_TILES
+        for n in PREFILL_QUERY_TILES:
+            if n < self._max_prefill():
+                self._placeholder_prefill(n)
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
