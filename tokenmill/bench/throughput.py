@@ -1,8 +1,8 @@
 """`tokenmill bench throughput`: workload 2 of BENCHMARKS.md, nano-vllm's offline bench: all requests added at
 once, ignore_eos, a warm-up on 32 of its prompts first; throughput = generated tokens / wall time including prefill.
 Each pass also records where its time went: the steps that prefill, and the decode-only steps by batch size
-(`--breakdown` prints it), so a gap to a target points at a phase before a profiler is needed, and which Triton
-kernels were compiled during the pass (a first use stalls the pass for the compilation)."""
+(`--breakdown` prints it), so a gap to a target points at a phase before a profiler is needed, and the Triton
+kernel variants first launched during the pass (each compiled, or loaded from Triton's disk cache, on the spot)."""
 from __future__ import annotations
 
 import argparse
@@ -68,15 +68,16 @@ def step_breakdown(steps: list[tuple[int, int, float]]) -> list[dict[str, Any]]:
 
 def _specialization(name: str, arg_names: list[str], compile_info: dict[str, Any]) -> str:
     """'kernel(arg=value, arg%16, ...)': the constants (constexprs, integers specialized as 1) and the arguments
-    specialized as multiples of 16, which is what tells two compilations of one kernel apart."""
+    specialized as multiples of 16 (argument types and launch options, which can also differ, are left out)."""
     parts = [f"{arg_names[i]}={value}" for (i, *_), value in compile_info["constants"].items()]
-    parts += [f"{arg_names[i]}%16" for (i, *_), attrs in compile_info["configs"][0].items() if any(a[0] == "tt.divisibility" for a in attrs)]
+    parts += [f"{arg_names[i]}%16" for (i, *_), attrs in compile_info["configs"][0].items()
+              if any(attr == "tt.divisibility" for attr, _ in attrs)]
     return f"{name}({', '.join(parts)})"
 
 
 @contextmanager
 def triton_compiles() -> Iterator[list[str]]:
-    """The Triton kernels compiled in this process inside the block (name and specialization of each)."""
+    """The Triton kernel variants first launched in this process inside the block (name and specialization)."""
     compiled: list[str] = []
     try:
         from triton import knobs
@@ -147,7 +148,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                         title=f"where the time went, temperature {row['temperature']}"
                               + "".join(f", {k} {row[k]}" for k in parse_sweep(ns.sweep)[0]))
             names = sorted({c.split("(", 1)[0] for c in row["triton_compiles"]})
-            print(f"Triton kernels compiled during the pass: {len(row['triton_compiles'])}"
+            print(f"Triton kernel variants first launched during the pass: {len(row['triton_compiles'])}"
                   + (f" ({', '.join(names)})" if names else ""))
     result = {**header, "results": rows}
     save_json(result, ns.out)

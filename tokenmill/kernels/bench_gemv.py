@@ -53,6 +53,10 @@ def time_rotating(fn: Callable[..., object], args_list: list[tuple]) -> float:
 def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
     """Tile shapes to search; dequant: the quantized kinds' dequantization (default: their committed one)."""
     mode = "cvt" if kind == DENSE else dequant or default_config(kind).dequant
+    if kind == INT4 and mode == "unit":  # BLOCK_K only sets the split's granularity; a thread holds whole chunks
+        return [GemvConfig(bn, 128, 0, warps, mode, pps, chunk)
+                for bn, warps, pps, chunk in itertools.product((64, 128, 256), (4, 8), (1, 2, 4), (8, 16))
+                if bn * 64 // (32 * warps) <= 128]
     cfgs = []
     for bn, bk, warps, pps in itertools.product((4, 8, 16, 32, 64, 128, 256), (128, 256, 512, 1024), (4, 8), (1, 2, 4)):
         acc = bn * (min(bk, 128) // 2 if kind == INT4 else bk) // (32 * warps)  # fp32 accumulators a thread
@@ -120,7 +124,8 @@ def search(fn: Callable[..., object], args_list: list[tuple], cfgs: list[GemvCon
 
 
 def best_overall(timings: Timings, kind: int) -> tuple[float, GemvConfig] | None:
-    """The config with the least total time over a decoder layer's four matrices: the default to use."""
+    """The config with the least total time over a decoder layer's four matrices (the per-matrix "best" rows
+    show where a per-shape default pays, as INT4's WIDE_N tile does)."""
     totals = [(sum(t[m] for m in LAYER), cfg) for (kd, cfg), t in timings.items()
               if kd == kind and set(LAYER) <= set(t)]
     return min(totals, key=lambda r: r[0]) if totals else None
@@ -129,7 +134,7 @@ def best_overall(timings: Timings, kind: int) -> tuple[float, GemvConfig] | None
 def describe(cfg: GemvConfig) -> str:
     return (f"n{cfg.block_n} k{cfg.block_k} warps {cfg.num_warps} "
             + (f"split {cfg.split_k}" if cfg.split_k else f"{cfg.programs_per_sm}/SM")
-            + f" {cfg.dequant}")
+            + f" {cfg.dequant}" + (f" chunk {cfg.chunk}" if cfg.dequant == "unit" else ""))
 
 
 def main() -> None:

@@ -25,9 +25,9 @@ DECODE_CFG = {"partition": 1024, "tile_n": 64, "num_warps": 4, "num_stages": 2}
 VARYING_ARGS = ("stride_bt", "table_cols")
 PREFILL_CFG = {(2, 64): (128, 64, 4, 3), (2, 128): (128, 128, 8, 3), (2, 256): (64, 32, 8, 2),
                (4, 64): (32, 32, 8, 1), (4, 128): (32, 32, 8, 1), (4, 256): (16, 16, 4, 1)}
-# The query tiles below PREFILL_CFG's that _paged_prefill shrinks to when a batch's longest query is short: each
+# Every query tile _paged_prefill can pick (PREFILL_CFG's, or smaller when a batch's longest query is short): each
 # is its own compiled kernel, which the model runner compiles at startup.
-PREFILL_QUERY_TILES = (16, 32, 64)
+PREFILL_QUERY_TILES = (16, 32, 64, 128)
 
 
 @triton.jit

@@ -51,7 +51,7 @@ class GemvConfig:
     chunk: int = 16  # unit: bytes of a row summed in one thread before the group's scale applies to them
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
+        for name in ("block_n", "block_k", "chunk"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
@@ -61,9 +61,9 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.dequant must be one of {', '.join(DEQUANT_MODES)}, got {self.dequant!r}")
 
 
-# The configs with the least total time over a Llama-3-8B layer's four matrices on the H200, 2026-11-30
-# (`python -m tokenmill.kernels.bench_gemv --tune`, figures in docs/BENCHMARKS.md). INT4 takes a wider tile for
-# matrices of WIDE_N outputs or more (gate/up: 31.9 us against 35.0 with the other tile, which wins on o).
+# Tuned on the H200 with `python -m tokenmill.kernels.bench_gemv --tune`, 2026-11-30 (docs/BENCHMARKS.md): the
+# least total time over a Llama-3-8B layer's four matrices, except that INT4 takes a wider tile for matrices of
+# WIDE_N outputs or more (gate/up: 31.9 us against 35.5 with the 64-row tile, which is faster on o and down).
 DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
 INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
 INT4_CFG = GemvConfig(64, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=8)
@@ -180,7 +180,8 @@ def _unit_word(word):
         lop3.b32 $7, w3, 0xFF00F000, 0x00800000, 0xEA;
         }""",
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[word], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    return tl.join(tl.join(l0, l2), tl.join(l1, l3)), tl.join(tl.join(h0, h2), tl.join(h1, h3))  # join adds the last axis
+    # join adds the last axis: ((0, 2), (1, 3)) flattens to 0, 1, 2, 3
+    return tl.join(tl.join(l0, l2), tl.join(l1, l3)), tl.join(tl.join(h0, h2), tl.join(h1, h3))
 
 
 @triton.jit
@@ -205,17 +206,17 @@ def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_gro
 
 @triton.jit
 def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
-                      stride_wn, stride_sn,
+                      stride_wb, stride_sn,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                       SUB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """INT4 with "unit" dequantization (module docstring). w_ptr is the packed weight as 32-bit words (stride_wn
-    in words): as bytes, a tile carried from one step to the next is re-packed at every use; words are loaded
+    """INT4 with "unit" dequantization (module docstring). w_ptr is the packed weight as 32-bit words, stride_wb
+    its row stride in 16-byte packing blocks: as bytes, a tile carried from one step to the next is re-packed at every use; words are loaded
     one sub-tile ahead, so each program keeps a sub-tile in flight while it sums the one before."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N)[:, None]
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * (stride_wb * 4)  # a row is whole blocks: 16-byte aligned
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
     C: tl.constexpr = SUB // 2 // CHUNK
     byte = tl.arange(0, SUB // 2)
@@ -342,24 +343,27 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     group_k = 0 if per_channel or kind == DENSE else group
     s = w if scales is None else scales
     pdl = pdl_args(x)
-    args = (x1, w, s, s if mins is None else mins, out if bias is None else bias, part,
-            n, k, 1 if scales is None else scales.shape[1], k_per_split, w.stride(0), s.stride(0))
+    m = s if mins is None else mins
+    b = out if bias is None else bias
+    n_groups = 1 if scales is None else scales.shape[1]
     grid = (triton.cdiv(n, cfg.block_n), split)
     sub = sub_tile(group_k, cfg.block_k)
     if kind == INT4 and cfg.dequant == "unit":  # packed rows are whole 16-byte blocks: read as 32-bit words
-        _int4_unit_kernel[grid](args[0], w.view(torch.int32), *args[2:10], w.stride(0) // 4, args[11],
-                                GROUP=group_k, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n,
+        words = w.view(torch.int32)
+        _int4_unit_kernel[grid](x1, words, s, m, b, part, n, k, n_groups, k_per_split, w.stride(0) // 16,
+                                s.stride(0), GROUP=group_k, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n,
                                 SUB=sub, CHUNK=min(cfg.chunk, sub // 2), num_warps=cfg.num_warps, num_stages=1,
                                 **pdl)
     else:
-        _gemv_kernel[grid](*args, INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
+        _gemv_kernel[grid](x1, w, s, m, b, part, n, k, n_groups, k_per_split, w.stride(0), s.stride(0),
+                           INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
                            HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            SUB=sub, PRMT=kind == INT4 and cfg.dequant == "prmt",
                            BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1,
                            **pdl)
     if split > 1:
         block = 1024
-        split_reduce_kernel[(triton.cdiv(n, block),)](part, out if bias is None else bias, out, n, n, split,
+        split_reduce_kernel[(triton.cdiv(n, block),)](part, b, out, n, n, split,
                                                        HAS_BIAS=bias is not None, BLOCK=block, **pdl)
     return out.view(*x.shape[:-1], n)
 

@@ -153,14 +153,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_prefill_tiles(self) -> None:
-        """Triton compiles a kernel variant at its first launch, a second or more when its disk cache is cold.
-        Prefill attention shrinks its query tile to a batch's longest query (PREFILL_QUERY_TILES), so the short
-        last chunk of a long prompt would stall serving for a compilation; one placeholder prefill per tile
-        compiles them all at startup (the profiling run compiled the full tile)."""
+        """One placeholder prefill per query tile of prefill attention (it shrinks the tile to a batch's longest
+        query), so that no tile's first compilation, a second or more, stalls serving."""
         from tokenmill.kernels.triton_attention import PREFILL_QUERY_TILES
-        for n in PREFILL_QUERY_TILES:
-            if n < self._max_prefill():
-                self._placeholder_prefill(n)
+        for n in sorted({min(tile, self._max_prefill()) for tile in PREFILL_QUERY_TILES}):
+            self._placeholder_prefill(n)
 
     def _allocate_kv_cache(self) -> None:
         c = self.config

@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-ALIGN = 8  # bytes: every array starts where any dtype's view of it may start
+# bytes: every array starts where any dtype's view of it may start, and 16-byte aligned like a torch allocation:
+# Triton compiles a kernel variant per pointer alignment, so an array that is 16-byte aligned in one step and not
+# in the next would compile a second variant in the middle of serving.
+ALIGN = 16
 
 
 def device_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
