@@ -153,10 +153,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_prefill_tiles(self) -> None:
-        """One placeholder prefill per query tile of prefill attention (it shrinks the tile to a batch's longest
-        query), so that no tile's first compilation, a second or more, stalls serving."""
+        """Placeholder prefills for every query tile of prefill attention (it shrinks the tile to a batch's longest
+        query), each at a multiple of 16 tokens and one below (Triton also specializes integer arguments, such
+        as the quantized matmul's row count, on divisibility by 16), so that no first compilation, a second or
+        more, stalls serving."""
         from tokenmill.kernels.triton_attention import PREFILL_QUERY_TILES
-        for n in sorted({min(tile, self._max_prefill()) for tile in PREFILL_QUERY_TILES}):
+        longest = [min(tile, self._max_prefill()) for tile in PREFILL_QUERY_TILES]
+        for n in sorted({m for n in longest for m in (n, n - 1) if m > 1}):
             self._placeholder_prefill(n)
 
     def _allocate_kv_cache(self) -> None:
