@@ -158,8 +158,8 @@ class ModelRunner:
         as the quantized matmul's row count, on divisibility by 16), so that no first compilation, a second or
         more, stalls serving."""
         from tokenmill.kernels.triton_attention import PREFILL_QUERY_TILES
-        longest = [min(tile, self._max_prefill()) for tile in PREFILL_QUERY_TILES]
-        for n in sorted({m for n in longest for m in (n, n - 1) if m > 1}):
+        tiles = {min(tile, self._max_prefill()) for tile in PREFILL_QUERY_TILES}
+        for n in sorted({length for tile in tiles for length in (tile, tile - 1) if length > 1}):
             self._placeholder_prefill(n)
 
     def _allocate_kv_cache(self) -> None:
