@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 from paged_cases import rel_err
 
-from tokenmill.kernels import quant_ref, triton_ops
+from tokenmill.kernels import quant_ref, torch_ref, triton_ops
+from tokenmill.kernels.triton_arrive import counters
 from tokenmill.kernels.triton_gemv import (
     INT4,
     GemvConfig,
@@ -72,6 +73,49 @@ def test_quant_gemv(n: int, k: int, fmt: str, dtype: torch.dtype) -> None:
         assert got.shape == (1, n) and got.dtype == dtype
         unit = f.bits == 4 and (cfg or default_config(INT4, n, dtype)).dequant == "unit"  # INT8 runs "bits"
         assert rel_err(got, want) < (UNIT_TOL if unit else TOL)[dtype], cfg
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4-g128"])
+@pytest.mark.parametrize("n,k", [(2 * 37, 1000), (2 * 4160, 520), (2 * 14336, 4096)])  # last: Llama-3-8B gate/up
+def test_silu_mul_in_the_store(n: int, k: int, fmt: str) -> None:
+    """silu(gate) * up of a merged gate/up output, computed as the GEMV stores it: every tile shape and split."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.05
+    x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    if fmt == "bf16":
+        want = F.linear(x.double(), w.double(), bias.double())
+        run = lambda cfg: dense_gemv(x, w.bfloat16(), bias, cfg, silu_mul=True)
+    else:
+        f = QuantFormat.parse(fmt)
+        qw = quantize(w, f)
+        want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, k, f.group(k), bias.double())
+        run = lambda cfg: quant_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, cfg,
+                                     silu_mul=True)
+    want = torch_ref.silu_and_mul(want)
+    for cfg in CONFIGS:
+        got = run(cfg)
+        assert got.shape == (1, n // 2) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < TOL[torch.bfloat16], cfg
+
+
+def test_split_k_leaves_its_counters_at_zero() -> None:
+    """The split that finishes last adds the partial sums and resets its tile's counter: launches of other shapes
+    and split counts after it, and the same launch again, all get the right answer."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    cases = [(torch.randn(n, k, device="cuda", generator=gen), torch.randn(1, k, device="cuda", generator=gen))
+             for n, k in [(300, 4096), (37, 1000), (4096, 14336)]]
+    for _ in range(2):
+        for (w, x), split in zip(cases, (3, 8, 2)):
+            got = dense_gemv(x, w, config=GemvConfig(16, 256, split, dequant="cvt"))
+            assert rel_err(got, F.linear(x.double(), w.double())) < TOL[torch.float32]
+    assert counters(x.device, 4096).count_nonzero() == 0
+
+
+def test_silu_mul_needs_an_even_number_of_rows() -> None:
+    w, x = torch.randn(7, 64, device="cuda"), torch.randn(1, 64, device="cuda")
+    with pytest.raises(ValueError, match="even number of rows"):
+        dense_gemv(x, w, silu_mul=True)
 
 
 def test_linear_takes_the_gemv_for_one_16_bit_row() -> None:

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from paged_cases import make_case, reference_attention, rel_err  # noqa: E402
 from tokenmill.kernels import OP_NAMES, get_ops, torch_ref, triton_ops  # noqa: E402
+from tokenmill.kernels.triton_arrive import counters
 
 # torch.empty returns NaN-filled memory: an output element a kernel never writes fails the comparison
 pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
@@ -64,6 +65,8 @@ def test_decode(batch: int, max_ctx: int, block_size: int, num_heads: int, num_k
                      seed=batch + max_ctx, garbage=float("nan"))
     out = _attend(case)
     assert out.dtype == dtype and rel_err(out, reference_attention(case)) < TOL[dtype]
+    # the partition that finished last merged its sequence's partitions and left the counter at 0 for the next
+    assert counters(out.device, batch * num_kv_heads).count_nonzero() == 0
 
 
 # (seq_lens, query_lens) or a batch size drawn at random, block size, query heads, kv heads, head dim, dtype
@@ -213,3 +216,28 @@ def test_silu_and_mul(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     out = triton_ops.silu_and_mul(x)
     assert out.shape == (*shape[:-1], shape[-1] // 2)
     assert rel_err(out, torch_ref.silu_and_mul(x.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, BF16), (5, BF16), (1, F32)], ids=_ids)
+def test_linear_silu_mul(rows: int, dtype: torch.dtype) -> None:
+    """One 16-bit row: silu(gate) * up in the GEMV's store; other rows: cuBLAS, then the SiLU-and-mul kernel."""
+    w = torch.randn(2 * 700, 512, dtype=dtype, device="cuda")
+    x, bias = torch.randn(rows, 512, dtype=dtype, device="cuda"), torch.randn(2 * 700, dtype=dtype, device="cuda")
+    out = triton_ops.linear_silu_mul(x, w, bias)
+    assert out.shape == (rows, 700) and out.dtype == dtype
+    assert rel_err(out, torch_ref.linear_silu_mul(x.double(), w.double(), bias.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rows,n", [(1, 128256), (3, 49152), (7, 100), (256, 4097), (2, 4096)])
+def test_argmax(rows: int, n: int) -> None:
+    """torch.argmax's answer, ties to the lowest index included, on a strided view (the sampler cuts padded
+    vocabulary columns off)."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    logits = torch.randn(rows, n + 3, device="cuda", generator=gen)[:, :n]
+    logits[0, n - 1] = logits[0, n // 3] = 1e4  # a tie across chunks: the first wins
+    logits[-1, : n // 2] = float("-inf")
+    if rows > 1:
+        logits[1] = 0.5  # a row of equal values: index 0
+    got = triton_ops.argmax(logits)
+    assert got.dtype == torch.long and torch.equal(got, logits.argmax(dim=-1))
+    assert counters(got.device, rows).count_nonzero() == 0

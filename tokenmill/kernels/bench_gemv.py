@@ -81,6 +81,9 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
     moved = w0.numel() * 2
     row("bf16 F.linear", time_rotating(F.linear, dense_args), moved)
     row("bf16 gemv", time_rotating(dense_gemv, dense_args), moved, default_config(DENSE))
+    if name == "gate_up":  # the MLP's launch: silu(gate) * up applied as the GEMV stores
+        row("bf16 gemv + silu_mul", time_rotating(lambda *a: dense_gemv(*a, silu_mul=True), dense_args), moved,
+            default_config(DENSE))
     if DENSE in tune:
         ms, cfg = search(lambda x, w, cfg: dense_gemv(x, w, None, cfg), dense_args, grid(DENSE), DENSE, name,
                          timings)
@@ -99,6 +102,9 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
         tile = pick_config(1, n, k, x.device)
         row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
         row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n))
+        if name == "gate_up":
+            row(f"{fmt_name} gemv + silu_mul", time_rotating(lambda *a: quant_gemv(*a, silu_mul=True), qargs), moved,
+                default_config(kind, n))
         if kind in tune:
             ms, cfg = search(quant_gemv, qargs, grid(kind, dequant), kind, name, timings)
             row(f"{fmt_name} gemv best", ms, moved, cfg)

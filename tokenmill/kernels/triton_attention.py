@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import num_sms
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
@@ -43,15 +44,16 @@ def _kv_tile(ptrs, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=VARYING_ARGS)
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, counter_ptr,
                    seq_lens_ptr, block_tables_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-                   table_cols, num_heads, num_parts,
+                   table_cols, num_heads, num_kv_heads, num_parts,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, TILE_N: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   P_CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head attend to the
-    partition's tokens, so each K/V tile is loaded once and fed to one [GROUP_PAD, TILE_N] dot."""
+    partition's tokens, so each K/V tile is loaded once and fed to one [GROUP_PAD, TILE_N] dot. A context of
+    several partitions is merged by the partition program that finishes last (triton_arrive.py)."""
     pdl_release(PDL)
     pdl_wait(PDL)
     seq = tl.program_id(0)
@@ -104,43 +106,40 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
         tl.store(part_out_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=g_mask[:, None])
+        if arrive_last(counter_ptr + seq * num_kv_heads + kv_head, tl.cdiv(ctx, PARTITION)):
+            for g in tl.static_range(GROUP):
+                head = kv_head * GROUP + g
+                _merge_partitions(part_out_ptr, part_m_ptr, part_l_ptr,
+                                  out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh,
+                                  (seq * num_heads + head).to(tl.int64) * num_parts, tl.cdiv(ctx, PARTITION),
+                                  HEAD_DIM, D_PAD, P_CHUNK)
 
 
 @triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
-                          stride_ot, stride_oh, num_heads, num_parts,
-                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr,
-                          P_PAD: tl.constexpr, P_CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Merge the partitions of one (sequence, head): rescale each partial sum to the global max. A context of
-    one partition was written whole by the decode kernel."""
-    pdl_release(PDL)
-    pdl_wait(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    n_valid = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)
-    if n_valid <= 1:
-        return
-    base = (seq * num_heads + head).to(tl.int64) * num_parts
-    offs_p = tl.arange(0, P_PAD)
-    m_all = tl.load(part_m_ptr + base + offs_p, mask=offs_p < n_valid, other=float("-inf"))
-    m_max = tl.max(m_all, 0)
-
+def _merge_partitions(part_out_ptr, part_m_ptr, part_l_ptr, out_ptrs, base, n_valid,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_CHUNK: tl.constexpr):
+    """One head's output from its n_valid partitions (rows base .. base + n_valid of the partials), P_CHUNK at a
+    time in partition order, each partial sum rescaled to the running max. The partials were stored by other
+    programs of this launch: read from L2 (.cg), never from this multiprocessor's L1."""
     offs_d = tl.arange(0, D_PAD)
+    m_run = float("-inf")
     acc = tl.zeros([D_PAD], tl.float32)
-    total = tl.zeros([P_CHUNK], tl.float32)
+    total = 0.0
     for p0 in range(0, n_valid, P_CHUNK):
         offs_c = p0 + tl.arange(0, P_CHUNK)
         c_mask = offs_c < n_valid
-        m = tl.load(part_m_ptr + base + offs_c, mask=c_mask, other=float("-inf"))
-        w = tl.where(c_mask, tl.exp2(m - m_max), 0.0)
-        total += w * tl.load(part_l_ptr + base + offs_c, mask=c_mask, other=0.0)
+        m = tl.load(part_m_ptr + base + offs_c, mask=c_mask, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.where(c_mask, tl.exp2(m - m_new), 0.0)
+        l = tl.load(part_l_ptr + base + offs_c, mask=c_mask, other=0.0, cache_modifier=".cg")
         o = tl.load(part_out_ptr + (base + offs_c)[:, None] * D_PAD + offs_d[None, :], mask=c_mask[:, None],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-    denom = tl.sum(total, 0)
-    acc = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             acc.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+                    other=0.0, cache_modifier=".cg")
+        total = total * alpha + tl.sum(w * l, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m_run = m_new
+    acc = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptrs + offs_d, acc.to(out_ptrs.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=VARYING_ARGS)
@@ -242,9 +241,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """Split each context into fixed partitions (count from static shapes only: graph-capturable),
-    attend per partition, then merge with a logsumexp-weighted reduce; a sequence whose context fits one
-    partition skips both the partial buffers and the reduce, whatever the batch's table width."""
+    """Split each context into fixed partitions (count from static shapes only: graph-capturable), attend per
+    partition, and merge with a logsumexp-weighted reduce in the same launch; a sequence whose context fits one
+    partition skips the partial buffers and the merge, whatever the batch's table width."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -260,25 +259,21 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pdl = pdl_args(q)
     if one:
         part_out = part_m = part_l = out  # unused
+        counter = seq_lens
     else:
         part_out = torch.empty(num_seqs, num_heads, num_parts, d_pad, dtype=torch.float32, device=q.device)
         part_m = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
+        counter = counters(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
-        q, k_cache, v_cache, out, part_out, part_m, part_l, seq_lens, block_tables, scale * _LOG2E,
+        q, k_cache, v_cache, out, part_out, part_m, part_l, counter, seq_lens, block_tables, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_tables.shape[1],
-        num_heads, num_parts,
+        num_heads, num_kv_heads, num_parts,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, PARTITION=partition, TILE_N=tile_n,
+        BLOCK_SIZE=block_size, PARTITION=partition, TILE_N=tile_n, P_CHUNK=16,
         PRECISION=_precision(q.dtype), num_warps=DECODE_CFG["num_warps"],
         num_stages=DECODE_CFG["num_stages"], **pdl)
-    if not one:
-        p_pad = triton.next_power_of_2(num_parts)
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_m, part_l, out, seq_lens, out.stride(0), out.stride(1), num_heads, num_parts,
-            HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, P_PAD=p_pad, P_CHUNK=min(p_pad, 16),
-            num_warps=4, **pdl)
 
 
 def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,

@@ -22,8 +22,9 @@ bytes of a row; a group's sum of x takes the offset off, and its scale and min a
 SASS instructions a weight (256- to 64-row tiles) against 6.1 for "prmt". float32 keeps ~17 bits of each
 product, which a 16-bit output never sees (float32 activations take "prmt").
 
-When N / BLOCK_N tiles are too few to keep every multiprocessor streaming, K is split over programs and the
-fp32 partial sums are added in split order by a second kernel, so results never depend on timing.
+When N / BLOCK_N tiles are too few to keep every multiprocessor streaming, K is split over programs, and the
+split that finishes last adds the fp32 partial sums in split order (triton_arrive.py): one launch, and results
+that never depend on timing.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
 DENSE, INT8, INT4 = 0, 1, 2
@@ -93,22 +95,6 @@ def int4_subtile(w_rows, n_mask, ks, K, HALF: tl.constexpr):
     return packed, kl, kl + 16
 
 
-@triton.jit
-def split_reduce_kernel(part_ptr, b_ptr, out_ptr, MN, N, num_splits,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """out = sum over splits (in split order) + bias, cast to out's dtype; parts are [splits, M * N] fp32."""
-    pdl_release(PDL)
-    pdl_wait(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(num_splits):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @functools.lru_cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -148,14 +134,53 @@ def _magic_nibbles(packed):
 
 
 @triton.jit
-def _store_rows(y, b_ptr, out_ptr, offs_n, N, pid_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """A program's rows: fp32 partial sums of its split, or (one split) + bias in out's dtype."""
-    if SPLIT:
-        tl.store(out_ptr + pid_k * N + offs_n, y, mask=offs_n < N)
+def _tile_rows(N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The weight rows of this program's tile, and which of them exist. With SILU_MUL (a merged gate/up weight of N
+    rows, silu(gate) * up fused into the store), the tile pairs gate row j with up row N / 2 + j, alternately,
+    for BLOCK_N / 2 outputs."""
+    r = tl.arange(0, BLOCK_N)
+    if SILU_MUL:
+        j = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        rows = (r % 2) * (N // 2) + j
+        row_mask = j < N // 2
     else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+        rows = tl.program_id(0) * BLOCK_N + r
+        row_mask = rows < N
+    return rows, row_mask
+
+
+@triton.jit
+def _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, rows, row_mask, N,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's rows (+ bias) in out's dtype. With K split over programs, each stores its fp32 partial sums,
+    and the split that finishes last adds them up in split order (triton_arrive.py): no second kernel."""
+    if SPLIT:
+        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
+        if arrive_last(counter_ptr + tl.program_id(0), tl.num_programs(1)):
+            y = tl.zeros_like(y)
+            for s in range(tl.num_programs(1)):
+                y += tl.load(part_ptr + s * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+            _store_out(y, b_ptr, out_ptr, rows, row_mask, N, HAS_BIAS, SILU_MUL, BLOCK_N)
+    else:
+        _store_out(y, b_ptr, out_ptr, rows, row_mask, N, HAS_BIAS, SILU_MUL, BLOCK_N)
+
+
+@triton.jit
+def _store_out(y, b_ptr, out_ptr, rows, row_mask, N, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The rows in out's dtype; with SILU_MUL, silu(gate) * up of the rounded gate and up rows, as the separate
+    SiLU-and-mul kernel computes it from a stored gate/up output."""
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    y = y.to(out_ptr.dtype.element_ty)
+    if SILU_MUL:
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        gate = gate.to(tl.float32)
+        j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + j, (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=j < N // 2)
+    else:
+        tl.store(out_ptr + rows, y, mask=row_mask)
 
 
 @triton.jit
@@ -205,17 +230,16 @@ def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_gro
 
 
 @triton.jit
-def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
+def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups, k_per_split,
                       stride_wb, stride_sn,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SUB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """INT4 with "unit" dequantization (module docstring). w_ptr is the packed weight as 32-bit words, stride_wb
     its row stride in 16-byte packing blocks: as bytes, a tile carried from one step to the next is re-packed at every use; words are loaded
     one sub-tile ahead, so each program keeps a sub-tile in flight while it sums the one before."""
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = (offs_n < N)[:, None]
+    offs_n, row_mask = _tile_rows(N, BLOCK_N, SILU_MUL)
+    n_mask = row_mask[:, None]
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * (stride_wb * 4)  # a row is whole blocks: 16-byte aligned
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
     C: tl.constexpr = SUB // 2 // CHUNK
@@ -237,19 +261,18 @@ def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups
                                   GROUP, BLOCK_N, C, CHUNK)
     pdl_release(PDL)
     y = tl.sum(part, 1)
-    _store_rows(y, b_ptr, out_ptr, offs_n, N, pid_k, HAS_BIAS, SPLIT)
+    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, row_mask, N, HAS_BIAS, SPLIT, SILU_MUL, BLOCK_N)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_per_split,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups, k_per_split,
                  stride_wn, stride_sn,
-                 INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                 PRMT: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
+                 INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = (offs_n < N)[:, None]
+    offs_n, row_mask = _tile_rows(N, BLOCK_N, SILU_MUL)
+    n_mask = row_mask[:, None]
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
     k_lo = pid_k * k_per_split
@@ -300,8 +323,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, N, K, n_groups, k_p
     pdl_release(PDL)
     y = tl.sum(acc, axis=1)
     if PER_CHANNEL:
-        y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
-    _store_rows(y, b_ptr, out_ptr, offs_n, N, pid_k, HAS_BIAS, SPLIT)
+        y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=row_mask, other=0.0).to(tl.float32)
+    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, row_mask, N, HAS_BIAS, SPLIT, SILU_MUL, BLOCK_N)
 
 
 def sub_tile(group: int, block_k: int) -> int:
@@ -329,16 +352,22 @@ def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
 
 
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
-            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None) -> torch.Tensor:
+            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None,
+            silu_mul: bool) -> torch.Tensor:
     cfg = cfg or default_config(kind, n, x.dtype)
+    if silu_mul and (n % 2 or cfg.block_n < 2):
+        raise ValueError(f"silu_mul needs an even number of rows (gate, then up) and a tile of at least 2 rows; "
+                         f"got {n} rows, block_n {cfg.block_n}")
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    out = torch.empty(n // 2 if silu_mul else n, dtype=x.dtype, device=x.device)
     split = _splits(cfg, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    counter = counters(x.device, grid[0]) if split > 1 else out
     per_channel = kind == INT8 and group >= k
     group_k = 0 if per_channel or kind == DENSE else group
     s = w if scales is None else scales
@@ -346,40 +375,39 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     m = s if mins is None else mins
     b = out if bias is None else bias
     n_groups = 1 if scales is None else scales.shape[1]
-    grid = (triton.cdiv(n, cfg.block_n), split)
     sub = sub_tile(group_k, cfg.block_k)
     if kind == INT4 and cfg.dequant == "unit":  # packed rows are whole 16-byte blocks: read as 32-bit words
         words = w.view(torch.int32)
-        _int4_unit_kernel[grid](x1, words, s, m, b, part, n, k, n_groups, k_per_split, w.stride(0) // 16,
-                                s.stride(0), GROUP=group_k, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n,
-                                SUB=sub, CHUNK=min(cfg.chunk, sub // 2), num_warps=cfg.num_warps, num_stages=1,
+        _int4_unit_kernel[grid](x1, words, s, m, b, out, part, counter, n, k, n_groups, k_per_split,
+                                w.stride(0) // 16, s.stride(0), GROUP=group_k, HAS_BIAS=bias is not None,
+                                SPLIT=split > 1, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, SUB=sub,
+                                CHUNK=min(cfg.chunk, sub // 2), num_warps=cfg.num_warps, num_stages=1,
                                 **pdl)
     else:
-        _gemv_kernel[grid](x1, w, s, m, b, part, n, k, n_groups, k_per_split, w.stride(0), s.stride(0),
+        _gemv_kernel[grid](x1, w, s, m, b, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
+                           s.stride(0),
                            INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
-                           HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           HAS_BIAS=bias is not None, SPLIT=split > 1, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n,
+                           BLOCK_K=cfg.block_k,
                            SUB=sub, PRMT=kind == INT4 and cfg.dequant == "prmt",
                            BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1,
                            **pdl)
-    if split > 1:
-        block = 1024
-        split_reduce_kernel[(triton.cdiv(n, block),)](part, b, out, n, n, split,
-                                                       HAS_BIAS=bias is not None, BLOCK=block, **pdl)
-    return out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], out.shape[0])
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x holding one row ([..., K] with one element in the leading dims)."""
+               config: GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x holding one row ([..., K] with one element in the leading dims); with
+    silu_mul, silu(gate) * up of that output's halves (a merged gate/up weight) in the same launch."""
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config)
+    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config, silu_mul)
 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                in_features: int, group: int, bias: torch.Tensor | None,
-               config: GemvConfig | None = None) -> torch.Tensor:
-    """quant_linear (triton_quant.py) for x holding one row."""
+               config: GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """quant_linear (triton_quant.py) for x holding one row; silu_mul as in dense_gemv."""
     kind = INT4 if qweight.dtype == torch.uint8 else INT8
-    return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config)
+    return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config, silu_mul)
 

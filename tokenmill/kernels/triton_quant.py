@@ -3,8 +3,8 @@ dequantized tile by tile in registers; no dequantized copy of W ever exists in m
 
 A single row (batch-1 decode) goes to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.
-Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the fp32 partial
-sums are reduced in a fixed order by a second kernel, so results are deterministic.
+Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the split that
+finishes last adds the fp32 partial sums in split order (triton_arrive.py), so results are deterministic.
 
 A K tile is cut into sub-tiles of one input group each (group_param). INT4 sub-tiles are handled in halves
 that match the packing: the byte at column i of a sub-tile holds input (i // 16) * 32 + i % 16 (low nibble) and
@@ -20,12 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_activation import silu_and_mul
+from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     group_param,
     int4_subtile,
     num_sms,
     quant_gemv,
-    split_reduce_kernel,
     sub_tile,
 )
 
@@ -73,7 +74,8 @@ def _nibble_to_float(nib, DTYPE: tl.constexpr, BIT_TRICK: tl.constexpr):
 
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_groups, k_per_split,
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, n_groups,
+                         k_per_split,
                          stride_xm, stride_wn, stride_sn, stride_om, stride_split,
                          INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -128,13 +130,23 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, K, n_
         if PER_CHANNEL:
             acc = acc * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask & (offs_n < N)[None, :]
-    if SPLIT:
-        tl.store(out_ptr + pid_k * stride_split + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc,
-                 mask=out_mask)
+    out_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if SPLIT:  # the split that finishes last adds the partial sums in split order (triton_arrive.py)
+        tl.store(part_ptr + pid_k * stride_split + out_off, acc, mask=out_mask)
+        if arrive_last(counter_ptr + pid_m * tl.num_programs(0) + pid_n, tl.num_programs(2)):
+            acc = tl.zeros_like(acc)
+            for s in range(tl.num_programs(2)):
+                acc += tl.load(part_ptr + s * stride_split + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_tile(acc, b_ptr, out_ptr + out_off, offs_n, N, out_mask, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dt), mask=out_mask)
+        _store_tile(acc, b_ptr, out_ptr + out_off, offs_n, N, out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(acc, b_ptr, out_ptrs, offs_n, N, out_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
@@ -151,11 +163,14 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None,
-                 config: MatmulConfig | None = None) -> torch.Tensor:
+                 config: MatmulConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [..., in_features] @ W.T + bias, W packed INT8 (int8 qweight) or INT4 (uint8); same as quant_ref. One row
-    goes to the GEMV unless a config is given (the tile kernel then runs whatever M is)."""
+    goes to the GEMV unless a config is given (the tile kernel then runs whatever M is). silu_mul: silu(gate) * up
+    of the output's halves (a merged gate/up weight), in the GEMV's store or by the SiLU-and-mul kernel."""
     if config is None and x.numel() == in_features:
-        return quant_gemv(x, qweight, scales, mins, in_features, group, bias)
+        return quant_gemv(x, qweight, scales, mins, in_features, group, bias, silu_mul=silu_mul)
+    if silu_mul:
+        return silu_and_mul(quant_linear(x, qweight, scales, mins, in_features, group, bias, config))
     int4 = qweight.dtype == torch.uint8
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
@@ -171,8 +186,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
+    counter = counters(x.device, grid[0] * grid[1]) if splits > 1 else out
     _quant_matmul_kernel[grid](
-        x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias, part,
+        x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias, out, part, counter,
         m, n, k, scales.shape[1], k_per_split,
         x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
@@ -180,8 +196,4 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB=sub_tile(0 if per_channel else group, cfg.block_k), BIT_DEQUANT=cfg.bit_dequant and int4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        block = 1024
-        split_reduce_kernel[(triton.cdiv(m * n, block),)](part, out if bias is None else bias, out, m * n, n,
-                                                          splits, HAS_BIAS=bias is not None, BLOCK=block)
     return out.view(*lead, n)
