@@ -71,7 +71,7 @@ def test_quant_gemv(n: int, k: int, fmt: str, dtype: torch.dtype) -> None:
     for cfg in CONFIGS:
         got = quant_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, cfg)
         assert got.shape == (1, n) and got.dtype == dtype
-        unit = f.bits == 4 and (cfg or default_config(INT4, n, dtype)).dequant == "unit"  # INT8 runs "bits"
+        unit = f.bits == 4 and (cfg or default_config(INT4, n, k, dtype)).dequant == "unit"  # INT8 runs "bits"
         assert rel_err(got, want) < (UNIT_TOL if unit else TOL)[dtype], cfg
 
 

@@ -80,10 +80,10 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
 
     moved = w0.numel() * 2
     row("bf16 F.linear", time_rotating(F.linear, dense_args), moved)
-    row("bf16 gemv", time_rotating(dense_gemv, dense_args), moved, default_config(DENSE))
+    row("bf16 gemv", time_rotating(dense_gemv, dense_args), moved, default_config(DENSE, n, k))
     if name == "gate_up":  # the MLP's launch: silu(gate) * up applied as the GEMV stores
         row("bf16 gemv + silu_mul", time_rotating(lambda *a: dense_gemv(*a, silu_mul=True), dense_args), moved,
-            default_config(DENSE))
+            default_config(DENSE, n, k))
     if DENSE in tune:
         ms, cfg = search(lambda x, w, cfg: dense_gemv(x, w, None, cfg), dense_args, grid(DENSE), DENSE, name,
                          timings)
@@ -101,10 +101,10 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
         qargs = [(x, q.qweight, q.scales, q.mins, k, fmt.group(k), None) for q in copies]
         tile = pick_config(1, n, k, x.device)
         row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
-        row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n))
+        row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n, k))
         if name == "gate_up":
             row(f"{fmt_name} gemv + silu_mul", time_rotating(lambda *a: quant_gemv(*a, silu_mul=True), qargs), moved,
-                default_config(kind, n))
+                default_config(kind, n, k))
         if kind in tune:
             ms, cfg = search(quant_gemv, qargs, grid(kind, dequant), kind, name, timings)
             row(f"{fmt_name} gemv best", ms, moved, cfg)

@@ -64,10 +64,15 @@ class GemvConfig:
 
 
 # Tuned on the H200 with `python -m tokenmill.kernels.bench_gemv --tune`, 2026-11-30 (docs/BENCHMARKS.md): the
-# least total time over a Llama-3-8B layer's four matrices, except that INT4 takes a wider tile for matrices of
-# WIDE_N outputs or more (gate/up: 31.9 us against 35.5 with the 64-row tile, which is faster on o and down).
+# least total time over a Llama-3-8B layer's four matrices, and per-shape tiles where one matrix gains: WIDE for
+# WIDE_N outputs or more (gate/up; INT4: 31.9 us against 35.5 with the 64-row tile, which is faster on o and
+# down; INT8: 35.4 against 37.4; bf16: 56.8 against 57.6), DEEP for at least twice as many inputs as outputs
+# (down, bf16: 30.5 against 31.8).
 DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
+DENSE_WIDE_CFG = GemvConfig(16, 256, num_warps=4, dequant="cvt", programs_per_sm=2)
+DENSE_DEEP_CFG = GemvConfig(4, 512, num_warps=8, dequant="cvt", programs_per_sm=2)
 INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
+INT8_WIDE_CFG = GemvConfig(16, 512, num_warps=8, dequant="bits", programs_per_sm=4)
 INT4_CFG = GemvConfig(64, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=8)
 INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
 WIDE_N = 16384
@@ -332,12 +337,14 @@ def sub_tile(group: int, block_k: int) -> int:
     return group if 0 < group < block_k else block_k
 
 
-def default_config(kind: int, n: int = 0, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """The tuned config for a kind of weight with n output features and activations of dtype."""
+def default_config(kind: int, n: int = 0, k: int = 0, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+    """The tuned config for a kind of weight with n output and k input features and activations of dtype."""
     if kind == INT4 and dtype == torch.float32:
         return INT4_FP32_CFG
-    if kind == INT4 and n >= WIDE_N:
-        return INT4_WIDE_CFG
+    if n >= WIDE_N:
+        return (DENSE_WIDE_CFG, INT8_WIDE_CFG, INT4_WIDE_CFG)[kind]
+    if kind == DENSE and k >= 2 * n > 0:
+        return DENSE_DEEP_CFG
     return (DENSE_CFG, INT8_CFG, INT4_CFG)[kind]
 
 
@@ -354,7 +361,7 @@ def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
             n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None,
             silu_mul: bool) -> torch.Tensor:
-    cfg = cfg or default_config(kind, n, x.dtype)
+    cfg = cfg or default_config(kind, n, k, x.dtype)
     if silu_mul and (n % 2 or cfg.block_n < 2):
         raise ValueError(f"silu_mul needs an even number of rows (gate, then up) and a tile of at least 2 rows; "
                          f"got {n} rows, block_n {cfg.block_n}")
