@@ -119,12 +119,14 @@ def test_decode_cuda_graph_replay_matches_eager(table_width: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_ops.paged_attention(*args)
-    for seq_lens in ([60, 33, 17], [5, 64, 1]):
+    longer = [[600, 300, 17], [640, 257, 256]] if table_width > 4 else []  # partitions merged in the graph
+    for seq_lens in [[60, 33, 17], [5, 64, 1], *longer]:
         case.seq_lens.copy_(torch.tensor(seq_lens))
         case.q.copy_(torch.randn_like(case.q))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, triton_ops.paged_attention(*args))
+    assert counters(out.device, 3 * 8).count_nonzero() == 0
 
 
 def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -216,16 +218,6 @@ def test_silu_and_mul(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     out = triton_ops.silu_and_mul(x)
     assert out.shape == (*shape[:-1], shape[-1] // 2)
     assert rel_err(out, torch_ref.silu_and_mul(x.double())) < TOL[dtype]
-
-
-@pytest.mark.parametrize("rows,dtype", [(1, BF16), (5, BF16), (1, F32)], ids=_ids)
-def test_linear_silu_mul(rows: int, dtype: torch.dtype) -> None:
-    """One 16-bit row: silu(gate) * up in the GEMV's store; other rows: cuBLAS, then the SiLU-and-mul kernel."""
-    w = torch.randn(2 * 700, 512, dtype=dtype, device="cuda")
-    x, bias = torch.randn(rows, 512, dtype=dtype, device="cuda"), torch.randn(2 * 700, dtype=dtype, device="cuda")
-    out = triton_ops.linear_silu_mul(x, w, bias)
-    assert out.shape == (rows, 700) and out.dtype == dtype
-    assert rel_err(out, torch_ref.linear_silu_mul(x.double(), w.double(), bias.double())) < TOL[dtype]
 
 
 @pytest.mark.parametrize("rows,n", [(1, 128256), (3, 49152), (7, 100), (256, 4097), (2, 4096)])

@@ -48,19 +48,6 @@ def test_merged_shards_float_and_packed(fmt: str) -> None:
     assert torch.allclose(a(x), F.linear(x, whole.dequantize(), torch.cat(bias)), atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the twin; bf16 INT4 g32: torch's packed kernel
-def test_gate_up_silu_mul(dtype: torch.dtype) -> None:
-    """forward(x, silu_mul=True) of a gate/up projection is silu(gate) * up of its output, quantized or not."""
-    lin = MergedLinear(64, [32, 32], bias=True).to(dtype)
-    lin.weight.data.normal_()
-    lin.bias.data.normal_()
-    q = to_quant_linear(lin, QuantFormat.parse("int4-g32"), lin.weight.data)
-    x = torch.randn(3, 64, dtype=dtype)
-    for layer in (lin, q):
-        full = layer(x)
-        assert torch.equal(layer(x, silu_mul=True), F.silu(full[:, :32]) * full[:, 32:])
-
-
 def test_load_shard_errors() -> None:
     layer = QuantLinear(64, 32, False, QuantFormat.parse("int4-g32"), "cpu", torch.float32)
     with pytest.raises(ValueError, match="shape mismatch"):

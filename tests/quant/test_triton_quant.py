@@ -44,17 +44,6 @@ def test_matmul_matches_twin(m: int, n: int, k: int, fmt: str, dtype: torch.dtyp
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_matmul_silu_mul(m: int) -> None:
-    """silu(gate) * up of a merged gate/up weight, one row (the GEMV) or several (the tiles)."""
-    f = QuantFormat.parse("int4-g128")
-    qw = quantize(torch.randn(2 * 300, 1000, device="cuda") * 0.05, f)
-    x = torch.randn(m, 1000, device="cuda", dtype=torch.bfloat16)
-    want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, 1000, 128, None, silu_mul=True)
-    got = quant_linear(x, qw.qweight, qw.scales, qw.mins, 1000, 128, None, silu_mul=True)
-    assert got.shape == (m, 300) and rel_err(got, want) < 1e-2
-
-
 @pytest.mark.parametrize("cfg", [SKINNY, GEMM, MatmulConfig(16, 32, 64, split_k=5), MatmulConfig(32, 64, 128, 3)])
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128"])
 def test_matmul_configs(cfg: MatmulConfig, fmt: str) -> None:

@@ -54,8 +54,9 @@ def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
     """Tile shapes to search; dequant: the quantized kinds' dequantization (default: their committed one)."""
     mode = "cvt" if kind == DENSE else dequant or default_config(kind).dequant
     if kind == INT4 and mode == "unit":  # BLOCK_K only sets the split's granularity; a thread holds whole chunks
-        return [GemvConfig(bn, 128, 0, warps, mode, pps, chunk)
-                for bn, warps, pps, chunk in itertools.product((64, 128, 256), (4, 8), (1, 2, 4), (8, 16))
+        return [GemvConfig(bn, 128, 0, warps, mode, pps, chunk, ahead)
+                for bn, warps, pps, chunk, ahead in itertools.product((64, 128, 256), (4, 8), (1, 2, 4, 8), (8, 16),
+                                                                      (1, 2))
                 if bn * 64 // (32 * warps) <= 128]
     cfgs = []
     for bn, bk, warps, pps in itertools.product((4, 8, 16, 32, 64, 128, 256), (128, 256, 512, 1024), (4, 8), (1, 2, 4)):
@@ -80,10 +81,7 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
 
     moved = w0.numel() * 2
     row("bf16 F.linear", time_rotating(F.linear, dense_args), moved)
-    row("bf16 gemv", time_rotating(dense_gemv, dense_args), moved, default_config(DENSE, n, k))
-    if name == "gate_up":  # the MLP's launch: silu(gate) * up applied as the GEMV stores
-        row("bf16 gemv + silu_mul", time_rotating(lambda *a: dense_gemv(*a, silu_mul=True), dense_args), moved,
-            default_config(DENSE, n, k))
+    row("bf16 gemv", time_rotating(dense_gemv, dense_args), moved, default_config(DENSE, n, k=k))
     if DENSE in tune:
         ms, cfg = search(lambda x, w, cfg: dense_gemv(x, w, None, cfg), dense_args, grid(DENSE), DENSE, name,
                          timings)
@@ -101,10 +99,7 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
         qargs = [(x, q.qweight, q.scales, q.mins, k, fmt.group(k), None) for q in copies]
         tile = pick_config(1, n, k, x.device)
         row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
-        row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n, k))
-        if name == "gate_up":
-            row(f"{fmt_name} gemv + silu_mul", time_rotating(lambda *a: quant_gemv(*a, silu_mul=True), qargs), moved,
-                default_config(kind, n, k))
+        row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n, k=k))
         if kind in tune:
             ms, cfg = search(quant_gemv, qargs, grid(kind, dequant), kind, name, timings)
             row(f"{fmt_name} gemv best", ms, moved, cfg)
@@ -140,7 +135,7 @@ def best_overall(timings: Timings, kind: int) -> tuple[float, GemvConfig] | None
 def describe(cfg: GemvConfig) -> str:
     return (f"n{cfg.block_n} k{cfg.block_k} warps {cfg.num_warps} "
             + (f"split {cfg.split_k}" if cfg.split_k else f"{cfg.programs_per_sm}/SM")
-            + f" {cfg.dequant}" + (f" chunk {cfg.chunk}" if cfg.dequant == "unit" else ""))
+            + f" {cfg.dequant}" + (f" chunk {cfg.chunk} ahead {cfg.ahead}" if cfg.dequant == "unit" else ""))
 
 
 def main() -> None:

@@ -19,14 +19,9 @@ KV_SCALE_BYTES = 4
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 in_features: int, group: int, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
-    """x @ W.T + bias for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight; with silu_mul (a merged
-    gate/up weight), silu(gate) * up of that."""
-    y = F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
-    if not silu_mul:
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+                 in_features: int, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight."""
+    return F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
 
 
 def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:

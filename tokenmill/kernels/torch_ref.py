@@ -175,11 +175,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight, bias)): a merged gate/up projection and its activation."""
-    return silu_and_mul(linear(x, weight, bias))
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum (int64)."""
     return logits.argmax(dim=-1)

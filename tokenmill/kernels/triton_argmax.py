@@ -17,11 +17,13 @@ CHUNK = 4096
 @triton.jit
 def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, counter_ptr, n, stride_x,
                    CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """One CHUNK of a row: its maximum and first index, then, in the row's last chunk to finish, the best chunk's."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     n_chunks = tl.num_programs(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < n, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # noqa: PLR0124 (x != x: NaN) torch.argmax takes NaN for the maximum
     best, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * n_chunks + chunk, best)
     tl.store(idx_ptr + row * n_chunks + chunk, chunk * CHUNK + i)

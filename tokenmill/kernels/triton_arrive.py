@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_COUNTERS = 1 << 16
+MIN_COUNTERS = 1 << 16  # 256 KB: more than any grid of one decode step needs (a batch of 8,192 x 8 KV heads)
 _buffers: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown buffers stay allocated: captured CUDA graphs keep their addresses
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
@@ -30,6 +31,8 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
             raise RuntimeError(f"a kernel needs {n} arrival counters during CUDA-graph capture, but only "
                                f"{0 if buf is None else buf.numel()} were allocated before it; run the same shape "
                                "eagerly before capturing")
+        if buf is not None:
+            _retired.append(buf)
         buf = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
         _buffers[device] = buf
     return buf

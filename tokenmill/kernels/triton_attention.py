@@ -59,7 +59,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    ctx = tl.load(seq_lens_ptr + seq)
+    # a context longer than the grid's partitions (than its block table) is cut, so that exactly cdiv(ctx,
+    # PARTITION) programs arrive at the merge (triton_arrive.py)
+    ctx = tl.minimum(tl.load(seq_lens_ptr + seq), num_parts * PARTITION)
     start = part * PARTITION
     if (start >= ctx) & (part > 0):
         return

@@ -51,6 +51,7 @@ class GemvConfig:
     dequant: str = "prmt"  # cvt | bits | prmt | unit (prmt and unit: INT4; INT8 treats them as bits); see above
     programs_per_sm: int = 4
     chunk: int = 16  # unit: bytes of a row summed in one thread before the group's scale applies to them
+    ahead: int = 1  # unit: sub-tiles loaded ahead of the one being summed (1 or 2)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "chunk"):
@@ -59,22 +60,26 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
         if self.block_k < 32:  # an INT4 sub-tile starts at a 32-input packing block
             raise ValueError(f"GemvConfig.block_k must be at least 32, got {self.block_k}")
+        if self.ahead not in (1, 2):
+            raise ValueError(f"GemvConfig.ahead must be 1 or 2, got {self.ahead}")
         if self.dequant not in DEQUANT_MODES:
             raise ValueError(f"GemvConfig.dequant must be one of {', '.join(DEQUANT_MODES)}, got {self.dequant!r}")
 
 
 # Tuned on the H200 with `python -m tokenmill.kernels.bench_gemv --tune`, 2026-11-30 (docs/BENCHMARKS.md): the
 # least total time over a Llama-3-8B layer's four matrices, and per-shape tiles where one matrix gains: WIDE for
-# WIDE_N outputs or more (gate/up; INT4: 31.9 us against 35.5 with the 64-row tile, which is faster on o and
-# down; INT8: 35.4 against 37.4; bf16: 56.8 against 57.6), DEEP for at least twice as many inputs as outputs
-# (down, bf16: 30.5 against 31.8).
+# WIDE_N outputs or more (gate/up; INT8: 35.4 us against 37.4; bf16: 56.8 against 57.6), DEEP for at least twice
+# as many inputs as outputs (down; bf16: 30.5 against 31.8; INT4: 17.2 against 21.7). INT4's default tile is
+# the best of qkv and o (9.0 and 7.2 us against 11.4 and 8.6 with the 64-row tile): since a K split costs no
+# second launch, wide tiles split many ways win.
 DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
 DENSE_WIDE_CFG = GemvConfig(16, 256, num_warps=4, dequant="cvt", programs_per_sm=2)
 DENSE_DEEP_CFG = GemvConfig(4, 512, num_warps=8, dequant="cvt", programs_per_sm=2)
 INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
 INT8_WIDE_CFG = GemvConfig(16, 512, num_warps=8, dequant="bits", programs_per_sm=4)
-INT4_CFG = GemvConfig(64, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=8)
+INT4_CFG = GemvConfig(256, 128, num_warps=8, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
+INT4_DEEP_CFG = GemvConfig(128, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, ahead=2)
 WIDE_N = 16384
 # float32 activations keep full precision: "unit" would round each product to ~17 bits.
 INT4_FP32_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
@@ -139,53 +144,25 @@ def _magic_nibbles(packed):
 
 
 @triton.jit
-def _tile_rows(N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The weight rows of this program's tile, and which of them exist. With SILU_MUL (a merged gate/up weight of N
-    rows, silu(gate) * up fused into the store), the tile pairs gate row j with up row N / 2 + j, alternately,
-    for BLOCK_N / 2 outputs."""
-    r = tl.arange(0, BLOCK_N)
-    if SILU_MUL:
-        j = tl.program_id(0) * (BLOCK_N // 2) + r // 2
-        rows = (r % 2) * (N // 2) + j
-        row_mask = j < N // 2
-    else:
-        rows = tl.program_id(0) * BLOCK_N + r
-        row_mask = rows < N
-    return rows, row_mask
-
-
-@triton.jit
-def _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, rows, row_mask, N,
-                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """A program's rows (+ bias) in out's dtype. With K split over programs, each stores its fp32 partial sums,
     and the split that finishes last adds them up in split order (triton_arrive.py): no second kernel."""
     if SPLIT:
-        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
+        tl.store(part_ptr + tl.program_id(1) * N + offs_n, y, mask=offs_n < N)
         if arrive_last(counter_ptr + tl.program_id(0), tl.num_programs(1)):
             y = tl.zeros_like(y)
             for s in range(tl.num_programs(1)):
-                y += tl.load(part_ptr + s * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-            _store_out(y, b_ptr, out_ptr, rows, row_mask, N, HAS_BIAS, SILU_MUL, BLOCK_N)
+                y += tl.load(part_ptr + s * N + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
+            _store_out(y, b_ptr, out_ptr, offs_n, N, HAS_BIAS)
     else:
-        _store_out(y, b_ptr, out_ptr, rows, row_mask, N, HAS_BIAS, SILU_MUL, BLOCK_N)
+        _store_out(y, b_ptr, out_ptr, offs_n, N, HAS_BIAS)
 
 
 @triton.jit
-def _store_out(y, b_ptr, out_ptr, rows, row_mask, N, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """The rows in out's dtype; with SILU_MUL, silu(gate) * up of the rounded gate and up rows, as the separate
-    SiLU-and-mul kernel computes it from a stored gate/up output."""
+def _store_out(y, b_ptr, out_ptr, offs_n, N, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    y = y.to(out_ptr.dtype.element_ty)
-    if SILU_MUL:
-        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
-        gate = gate.to(tl.float32)
-        j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + j, (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=j < N // 2)
-    else:
-        tl.store(out_ptr + rows, y, mask=row_mask)
+        y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -235,16 +212,24 @@ def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_gro
 
 
 @triton.jit
+def _word_tile(rows, n_mask, word, k_of_word, ks, k_hi, K):
+    """The packed words of the sub-tile at input ks; zeros past K or past this split."""
+    w0 = tl.multiple_of(ks // 8, 4)  # splits and sub-tiles start on 16-byte packing blocks
+    return tl.load(rows + (w0 + word)[None, :], mask=n_mask & ((ks + k_of_word < K) & (ks < k_hi))[None, :], other=0)
+
+
+@triton.jit
 def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups, k_per_split,
                       stride_wb, stride_sn,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SUB: tl.constexpr, CHUNK: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
     """INT4 with "unit" dequantization (module docstring). w_ptr is the packed weight as 32-bit words, stride_wb
-    its row stride in 16-byte packing blocks: as bytes, a tile carried from one step to the next is re-packed at every use; words are loaded
-    one sub-tile ahead, so each program keeps a sub-tile in flight while it sums the one before."""
+    its row stride in 16-byte packing blocks: as bytes, a tile carried from one step to the next is re-packed at
+    every use. Words are loaded AHEAD sub-tiles ahead, so each program keeps one or two sub-tiles in flight while
+    it sums the one before."""
     pid_k = tl.program_id(1)
-    offs_n, row_mask = _tile_rows(N, BLOCK_N, SILU_MUL)
-    n_mask = row_mask[:, None]
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < N)[:, None]
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * (stride_wb * 4)  # a row is whole blocks: 16-byte aligned
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
     C: tl.constexpr = SUB // 2 // CHUNK
@@ -256,28 +241,31 @@ def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, coun
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
     part = tl.zeros([BLOCK_N, C], tl.float32)
     pdl_wait(PDL)
-    nxt = tl.load(rows + (k_lo // 8 + word)[None, :], mask=n_mask & (k_lo + k_of_word < K)[None, :], other=0)
+    nxt = _word_tile(rows, n_mask, word, k_of_word, k_lo, k_hi, K)
+    if AHEAD == 2:
+        nxt2 = _word_tile(rows, n_mask, word, k_of_word, k_lo + SUB, k_hi, K)
     for ks in range(k_lo, k_hi, SUB):
         q = nxt
-        w_next = tl.multiple_of((ks + SUB) // 8, 4)  # splits and sub-tiles start on 16-byte packing blocks
-        nxt = tl.load(rows + (w_next + word)[None, :],
-                      mask=n_mask & ((ks + SUB + k_of_word < K) & (ks + SUB < k_hi))[None, :], other=0)
+        if AHEAD == 2:
+            nxt = nxt2
+            nxt2 = _word_tile(rows, n_mask, word, k_of_word, ks + 2 * SUB, k_hi, K)
+        else:
+            nxt = _word_tile(rows, n_mask, word, k_of_word, ks + SUB, k_hi, K)
         part = _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_byte,
                                   GROUP, BLOCK_N, C, CHUNK)
     pdl_release(PDL)
     y = tl.sum(part, 1)
-    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, row_mask, N, HAS_BIAS, SPLIT, SILU_MUL, BLOCK_N)
+    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, HAS_BIAS, SPLIT)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups, k_per_split,
                  stride_wn, stride_sn,
                  INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
     pid_k = tl.program_id(1)
-    offs_n, row_mask = _tile_rows(N, BLOCK_N, SILU_MUL)
-    n_mask = row_mask[:, None]
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < N)[:, None]
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
     k_lo = pid_k * k_per_split
@@ -328,8 +316,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_p
     pdl_release(PDL)
     y = tl.sum(acc, axis=1)
     if PER_CHANNEL:
-        y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=row_mask, other=0.0).to(tl.float32)
-    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, row_mask, N, HAS_BIAS, SPLIT, SILU_MUL, BLOCK_N)
+        y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
+    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, HAS_BIAS, SPLIT)
 
 
 def sub_tile(group: int, block_k: int) -> int:
@@ -337,14 +325,14 @@ def sub_tile(group: int, block_k: int) -> int:
     return group if 0 < group < block_k else block_k
 
 
-def default_config(kind: int, n: int = 0, k: int = 0, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+def default_config(kind: int, n: int = 0, *, k: int = 0, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The tuned config for a kind of weight with n output and k input features and activations of dtype."""
     if kind == INT4 and dtype == torch.float32:
         return INT4_FP32_CFG
     if n >= WIDE_N:
         return (DENSE_WIDE_CFG, INT8_WIDE_CFG, INT4_WIDE_CFG)[kind]
-    if kind == DENSE and k >= 2 * n > 0:
-        return DENSE_DEEP_CFG
+    if kind != INT8 and k >= 2 * n > 0:
+        return DENSE_DEEP_CFG if kind == DENSE else INT4_DEEP_CFG
     return (DENSE_CFG, INT8_CFG, INT4_CFG)[kind]
 
 
@@ -359,16 +347,12 @@ def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
 
 
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
-            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None,
-            silu_mul: bool) -> torch.Tensor:
-    cfg = cfg or default_config(kind, n, k, x.dtype)
-    if silu_mul and (n % 2 or cfg.block_n < 2):
-        raise ValueError(f"silu_mul needs an even number of rows (gate, then up) and a tile of at least 2 rows; "
-                         f"got {n} rows, block_n {cfg.block_n}")
+            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None) -> torch.Tensor:
+    cfg = cfg or default_config(kind, n, k=k, dtype=x.dtype)
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
-    out = torch.empty(n // 2 if silu_mul else n, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
     split = _splits(cfg, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -387,34 +371,32 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
         words = w.view(torch.int32)
         _int4_unit_kernel[grid](x1, words, s, m, b, out, part, counter, n, k, n_groups, k_per_split,
                                 w.stride(0) // 16, s.stride(0), GROUP=group_k, HAS_BIAS=bias is not None,
-                                SPLIT=split > 1, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, SUB=sub,
-                                CHUNK=min(cfg.chunk, sub // 2), num_warps=cfg.num_warps, num_stages=1,
-                                **pdl)
+                                SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
+                                CHUNK=min(cfg.chunk, sub // 2), AHEAD=cfg.ahead, num_warps=cfg.num_warps,
+                                num_stages=1, **pdl)
     else:
         _gemv_kernel[grid](x1, w, s, m, b, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
                            s.stride(0),
                            INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
-                           HAS_BIAS=bias is not None, SPLIT=split > 1, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n,
-                           BLOCK_K=cfg.block_k,
+                           HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            SUB=sub, PRMT=kind == INT4 and cfg.dequant == "prmt",
                            BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1,
                            **pdl)
-    return out.view(*x.shape[:-1], out.shape[0])
+    return out.view(*x.shape[:-1], n)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               config: GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x holding one row ([..., K] with one element in the leading dims); with
-    silu_mul, silu(gate) * up of that output's halves (a merged gate/up weight) in the same launch."""
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x holding one row ([..., K] with one element in the leading dims)."""
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config, silu_mul)
+    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config)
 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                in_features: int, group: int, bias: torch.Tensor | None,
-               config: GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """quant_linear (triton_quant.py) for x holding one row; silu_mul as in dense_gemv."""
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """quant_linear (triton_quant.py) for x holding one row."""
     kind = INT4 if qweight.dtype == torch.uint8 else INT8
-    return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config, silu_mul)
+    return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config)
 

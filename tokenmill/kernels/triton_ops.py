@@ -15,7 +15,6 @@ __all__ = [
     "argmax",
     "fused_add_rms_norm",
     "linear",
-    "linear_silu_mul",
     "paged_attention",
     "rms_norm",
     "rope_and_cache",
@@ -28,21 +27,9 @@ __all__ = [
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One row in 16 bits (batch-1 decode): the Triton GEMV, which reads small matrices faster than cuBLAS
     (docs/BENCHMARKS.md); anything else: cuBLAS."""
-    if _one_row_16_bit(x):
+    if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16):
         return dense_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up of a merged gate/up projection: one row goes to the GEMV, which applies it as it stores
-    (one launch less a layer); anything else to cuBLAS and the SiLU-and-mul kernel."""
-    if _one_row_16_bit(x):
-        return dense_gemv(x, weight, bias, silu_mul=True)
-    return silu_and_mul(F.linear(x, weight, bias))
-
-
-def _one_row_16_bit(x: torch.Tensor) -> bool:
-    return x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_activation import silu_and_mul
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     group_param,
@@ -74,8 +73,8 @@ def _nibble_to_float(nib, DTYPE: tl.constexpr, BIT_TRICK: tl.constexpr):
 
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, n_groups,
-                         k_per_split,
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr,
+                         M, N, K, n_groups, k_per_split,
                          stride_xm, stride_wn, stride_sn, stride_om, stride_split,
                          INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -144,6 +143,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, c
 
 @triton.jit
 def _store_tile(acc, b_ptr, out_ptrs, offs_n, N, out_mask, HAS_BIAS: tl.constexpr):
+    """A tile (+ bias) in the output's dtype."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
@@ -163,14 +163,9 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None,
-                 config: MatmulConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+                 config: MatmulConfig | None = None) -> torch.Tensor:
     """x [..., in_features] @ W.T + bias, W packed INT8 (int8 qweight) or INT4 (uint8); same as quant_ref. One row
-    goes to the GEMV unless a config is given (the tile kernel then runs whatever M is). silu_mul: silu(gate) * up
-    of the output's halves (a merged gate/up weight) by the SiLU-and-mul kernel. Not in the GEMV's store, as for
-    bf16: pairing gate and up rows in a tile cost INT8's gate/up GEMV more than the launch it saves (36.6 -> 39.8
-    us; batch-1 decode 330.6 against 336.2 tokens/s on an H200), and INT4 gained nothing (334.5 against 335.2)."""
-    if silu_mul:
-        return silu_and_mul(quant_linear(x, qweight, scales, mins, in_features, group, bias, config))
+    goes to the GEMV unless a config is given (the tile kernel then runs whatever M is)."""
     if config is None and x.numel() == in_features:
         return quant_gemv(x, qweight, scales, mins, in_features, group, bias)
     int4 = qweight.dtype == torch.uint8

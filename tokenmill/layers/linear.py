@@ -90,13 +90,6 @@ class MergedLinear(Linear):
         start, size = self.shard_slices[shard]
         return tensor[start:start + size]
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul (a gate/up projection, the gate its first half of rows): silu(gate) * up, in one kernel
-        where the batch-1 GEMV takes it."""
-        if silu_mul:
-            return self.ops.linear_silu_mul(x, self.weight, self.bias)
-        return super().forward(x)
-
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if shard is None:
             return super().load_shard(name, tensor)

@@ -20,7 +20,6 @@ from torch import nn
 
 from tokenmill.distributed import all_reduce, tp_size
 from tokenmill.kernels.cpu_quant import CpuPackedWeight, cpu_quant_linear, prepack, supports
-from tokenmill.kernels.torch_ref import silu_and_mul
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from tokenmill.quant import sharding
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
@@ -168,15 +167,6 @@ class QuantMergedLinear(QuantLinear, MergedLinear):
         if shard is None:
             return 0, 0, self.out_features
         return self.offsets[shard], self.shard_slices[shard][0], self.output_sizes[shard]
-
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul as in MergedLinear.forward."""
-        if not silu_mul:
-            return super().forward(x)
-        if (packed := self._cpu_kernel_weight(x)) is not None:
-            return silu_and_mul(cpu_quant_linear(x, packed, self.bias))
-        return self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group,
-                           self.bias, silu_mul=True)
 
 
 def to_quant_linear(module: Linear, fmt: QuantFormat, weight: torch.Tensor | QuantizedWeight | None) -> QuantLinear:
