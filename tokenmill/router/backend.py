@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +29,11 @@ class Backend:
         self.waiting = 0.0
         self.kv_usage = 0.0
         self._timeouts = 0
+        self._last_progress = float("-inf")  # time.monotonic() of the last bytes a request in flight got from it
+
+    def progressed(self) -> None:
+        """A request in flight on it just received bytes: it is alive, however slowly it answers /health."""
+        self._last_progress = time.monotonic()
 
     def load(self) -> float:
         """Outstanding work. The router's own count is current where the scraped one is up to a poll old; the
@@ -57,7 +63,9 @@ class Backend:
 
     async def poll(self, client: httpx.AsyncClient, timeout: float) -> None:
         """/health, then /metrics while healthy. A refused connection is a dead backend at once; a hung one is
-        dead after a few timeouts; a non-200 /health (draining) only stops new requests."""
+        dead after a few timeouts; a non-200 /health (draining) only stops new requests. So does a run of timeouts
+        while its streams still deliver: a busy server (a CPU engine holding the interpreter) can be slow to answer
+        /health, and failing the requests it is serving would lose work that was progressing."""
         try:
             health = await client.get(self.url + "/health", timeout=timeout)
             if health.status_code == 200:
@@ -66,8 +74,12 @@ class Backend:
                     self._read_load(metrics.text)
         except httpx.TimeoutException:
             self._timeouts += 1
-            if self._timeouts >= DOWN_AFTER_TIMEOUTS:
-                self._set_dead(f"{self._timeouts} health checks timed out")
+            if self._timeouts < DOWN_AFTER_TIMEOUTS:
+                return
+            if time.monotonic() - self._last_progress < DOWN_AFTER_TIMEOUTS * timeout:
+                self.set_unavailable()
+            else:
+                self._set_dead(f"{self._timeouts} health checks timed out, no response bytes since")
             return
         except httpx.HTTPError as e:
             self._set_dead(f"{type(e).__name__}: {e}")

@@ -128,6 +128,7 @@ async def _relay(exchange: _Exchange) -> AsyncIterator[bytes]:
     pending = b""
     try:
         while (chunk := await exchange.watch.until(anext(chunks, None))) is not None:
+            exchange.backend.progressed()
             pending += chunk
             end = _complete_events(pending)
             if end:

@@ -1,0 +1,53 @@
+"""Backend.poll's verdicts from /health answers alone (httpx's mock transport, no server): a backend whose health
+checks time out is dead unless its requests in flight are still receiving bytes, in which case it only stops
+taking new requests."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tokenmill.router.backend import DOWN_AFTER_TIMEOUTS, Backend
+
+METRICS = "# TYPE tokenmill:num_requests_running gauge\ntokenmill:num_requests_running 3.0\n"
+
+
+def poll_with(backend: Backend, handler, polls: int = 1) -> None:
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for _ in range(polls):
+                await backend.poll(client, timeout=0.5)
+    asyncio.run(run())
+
+
+def answers(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, text=METRICS if request.url.path == "/metrics" else "ok")
+
+
+def hangs(request: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("timed out", request=request)
+
+
+def test_healthy_backend_reports_its_load() -> None:
+    backend = Backend("http://b", "default")
+    poll_with(backend, answers)
+    assert backend.healthy and not backend.dead.is_set() and backend.running == 3.0
+
+
+def test_silent_backend_is_dead_after_the_timeouts() -> None:
+    backend = Backend("http://b", "default")
+    poll_with(backend, answers)
+    poll_with(backend, hangs, DOWN_AFTER_TIMEOUTS - 1)
+    assert backend.healthy and not backend.dead.is_set()  # one slow answer is not a verdict
+    poll_with(backend, hangs)
+    assert not backend.healthy and backend.dead.is_set()
+
+
+def test_backend_whose_streams_progress_is_only_taken_out_of_rotation() -> None:
+    backend = Backend("http://b", "default")
+    poll_with(backend, answers)
+    backend.progressed()
+    poll_with(backend, hangs, DOWN_AFTER_TIMEOUTS)
+    assert not backend.healthy and not backend.dead.is_set()  # its requests in flight go on
+    poll_with(backend, answers)
+    assert backend.healthy
