@@ -99,7 +99,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    if ctx <= PARTITION:  # the whole context in this program: no partials, no reduce
+    if ctx <= PARTITION:  # the whole context in this program: no partials, no merge
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
