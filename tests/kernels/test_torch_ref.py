@@ -121,21 +121,31 @@ def test_rope_and_cache() -> None:
                                equal_nan=True, rtol=0, atol=0)
 
 
-def _naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _naive_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     x = x.double()
-    return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight.double()
+    x = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return x if weight is None else x * weight.double()
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (5, 3, 128)])
-def test_rms_norms(shape: tuple[int, ...]) -> None:
+def test_rms_norm(shape: tuple[int, ...]) -> None:
     eps = 1e-6
-    x, residual = torch.randn(shape), torch.randn(shape)
+    x = torch.randn(shape)
     weight = torch.rand(shape[-1]) + 0.5
     assert rel_err(torch_ref.rms_norm(x, weight, eps), _naive_rms_norm(x, weight, eps)) < 1e-5
-    out, new_residual = torch_ref.fused_add_rms_norm(x, residual, weight, eps)
-    total = x.double() + residual.double()
-    assert rel_err(new_residual, total) < 1e-6
-    assert rel_err(out, _naive_rms_norm(total, weight, eps)) < 1e-5
+    assert rel_err(torch_ref.rms_norm(x, None, eps), _naive_rms_norm(x, None, eps)) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_linear_with_folded_norm_and_residual(rows: int) -> None:
+    """A norm folded into the weight gives the unfolded norm-then-linear; the residual is added; out_dtype casts."""
+    x, residual = torch.randn(rows, 96) * 3, torch.randn(rows, 40)
+    weight, bias, gamma = torch.randn(40, 96), torch.randn(40), torch.rand(96) + 0.5
+    want = _naive_rms_norm(x, gamma, 1e-6) @ weight.double().T + bias.double()
+    folded = weight * gamma
+    assert rel_err(torch_ref.linear(x, folded, bias, rms_eps=1e-6), want) < 1e-5
+    got = torch_ref.linear(x, folded, bias, rms_eps=1e-6, residual=residual, out_dtype=torch.float64)
+    assert got.dtype == torch.float64 and rel_err(got, want + residual.double()) < 1e-5
 
 
 def test_silu_and_mul() -> None:

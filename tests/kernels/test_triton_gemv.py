@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from paged_cases import rel_err
 
-from tokenmill.kernels import quant_ref, triton_ops
+from tokenmill.kernels import quant_ref, torch_ref, triton_ops
 from tokenmill.kernels.triton_arrive import counters
 from tokenmill.kernels.triton_gemv import (
     INT4,
@@ -23,6 +23,7 @@ from tokenmill.kernels.triton_gemv import (
     dense_gemv,
     quant_gemv,
 )
+from tokenmill.kernels.triton_quant import quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -73,6 +74,39 @@ def test_quant_gemv(n: int, k: int, fmt: str, dtype: torch.dtype) -> None:
         assert got.shape == (1, n) and got.dtype == dtype
         unit = f.bits == 4 and (cfg or default_config(INT4, n, k=k, dtype=dtype)).dequant == "unit"  # INT8 runs "bits"
         assert rel_err(got, want) < (UNIT_TOL if unit else TOL)[dtype], cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n,k", [(37, 1000), (6144, 4096), (4096, 14336)])
+def test_dense_gemv_normalizes_adds_the_residual_and_casts(n: int, k: int, dtype: torch.dtype) -> None:
+    """rms_eps: the input's RMS norm (sums of squares over K splits merged in order); residual: added before the
+    one rounding; out_dtype: float32 logits straight from a 16-bit row."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=dtype)
+    x = torch.randn(1, k, device="cuda", generator=gen, dtype=dtype) * 4
+    residual = torch.randn(1, n, device="cuda", generator=gen, dtype=dtype) * 8
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=dtype)
+    want = torch_ref.linear(x.double(), w.double(), bias.double(), rms_eps=1e-5, residual=residual.double())
+    for cfg in (None, GemvConfig(8, 512, 1, dequant="cvt"), GemvConfig(16, 256, 5, dequant="cvt")):
+        got = dense_gemv(x, w, bias, cfg, rms_eps=1e-5, residual=residual)
+        assert got.dtype == dtype and rel_err(got, want) < TOL[dtype], cfg
+        got = dense_gemv(x, w, None, cfg, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and rel_err(got, F.linear(x.double(), w.double())) < TOL[dtype], cfg
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g128"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_quant_matmuls_add_the_residual(fmt: str, rows: int) -> None:
+    """The residual add in the quantized GEMV's (one row) and tile kernel's (more rows) store."""
+    f = QuantFormat.parse(fmt)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    qw = quantize(torch.randn(4096, 14336, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(rows, 14336, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual = torch.randn(rows, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) * 8
+    want = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, 14336, f.group(14336), None,
+                                  residual=residual.double())
+    got = quant_linear(x, qw.qweight, qw.scales, qw.mins, 14336, f.group(14336), None, residual=residual)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < TOL[torch.bfloat16]
 
 
 def test_split_k_leaves_its_counters_at_zero() -> None:

@@ -88,15 +88,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("fold_norms", [False, True], ids=["norms", "folded"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_tiny_safetensors_parity(case: str, sharded: bool, tmp_path) -> None:
+def test_tiny_safetensors_parity(case: str, sharded: bool, fold_norms: bool, tmp_path) -> None:
+    """fold_norms: the layers' norm weights (random here) folded into the projections, as the engine loads."""
     config_cls, extra = CASES[case]
     ref = tiny_hf_model(config_cls, **extra)
     ref.save_pretrained(tmp_path, max_shard_size="40KB" if sharded else "1GB")
     assert os.path.exists(tmp_path / "model.safetensors.index.json") == sharded
 
-    ours = load_model(load_model_config(str(tmp_path)), str(tmp_path), dtype=torch.float32)
+    ours = load_model(load_model_config(str(tmp_path)), str(tmp_path), dtype=torch.float32, fold_norms=fold_norms)
+    assert all((layer.input_layernorm.weight is None) == fold_norms for layer in ours.model.layers)
     ids = sample_ids()
     got = run_chunks(ours, ids, [6, 10, 11])  # prefill, chunked continuation, one decode step
     torch.testing.assert_close(got, hf_logits(ref, ids), rtol=1e-4, atol=1e-4)
@@ -207,7 +210,9 @@ def hf_gguf_model(default_model_path: str) -> torch.nn.Module:
 
 
 def test_default_gguf_parity(default_model_path: str, hf_gguf_model: torch.nn.Module) -> None:
-    ours = load_model(load_model_config(default_model_path), default_model_path, dtype=torch.float32)
+    """As the engine loads it: norms folded into the projections."""
+    ours = load_model(load_model_config(default_model_path), default_model_path, dtype=torch.float32,
+                      fold_norms=True)
     tok = load_tokenizer(default_model_path)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer briefly."}])
     ids = tok.encode(prompt)

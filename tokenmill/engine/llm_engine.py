@@ -88,7 +88,7 @@ class LLMEngine:
         try:
             with self._watch_workers():
                 model = load_model(self.model_config, model_path, args.load_format, self.dtype, self.device,
-                                   seed=args.seed, quantization=args.quantization)
+                                   seed=args.seed, quantization=args.quantization, fold_norms=True)
                 draft = load_draft(args, model_path, self.device, self.dtype) \
                     if (args.speculative or "").startswith("draft:") else None
                 self.runner = ModelRunner(model, self.model_config, args, self.device, self.dtype, max_len, eos,

@@ -19,9 +19,11 @@ KV_SCALE_BYTES = 4
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 in_features: int, group: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T + bias for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight."""
-    return F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
+                 in_features: int, group: int, bias: torch.Tensor | None, *,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias (+ residual) for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight."""
+    y = F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
+    return y if residual is None else y + residual
 
 
 def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:

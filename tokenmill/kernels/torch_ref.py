@@ -170,9 +170,19 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return q
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias."""
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rms_eps: float | None = None,
+           residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T + bias (+ residual), in out_dtype (default x's). rms_eps: x is first RMS-normalized without a
+    weight, the norm's weight having been folded into this one (RMSNorm.fold_into), so a batch-1 GEMV can
+    normalize on the fly. The residual add rounds once, as the GEMV's store does (addmm)."""
+    if rms_eps is not None:
+        x = rms_norm(x, None, rms_eps)
+    if residual is None:
+        y = F.linear(x, weight, bias)
+    else:
+        y = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
+        y = (y if bias is None else y + bias).view(*x.shape[:-1], weight.shape[0])
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -180,16 +190,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 whatever x's dtype (torch's fused op does)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) (* weight), computed in float32 whatever x's dtype (torch's fused op does)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual)."""
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -144,24 +144,39 @@ def _magic_nibbles(packed):
 
 
 @triton.jit
-def _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """A program's rows (+ bias) in out's dtype. With K split over programs, each stores its fp32 partial sums,
-    and the split that finishes last adds them up in split order (triton_arrive.py): no second kernel."""
+def _store_rows(y, ssq, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, K, eps,
+                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's rows in out's dtype, through _store_out. With K split over programs, each stores its fp32
+    partial sums (and, with NORM, its slice's sum of squares of x after every split's rows), and the split that
+    finishes last adds them up in split order (triton_arrive.py): no second kernel."""
     if SPLIT:
+        splits = tl.num_programs(1)
+        ssq_ptr = part_ptr + splits * N + tl.program_id(0) * splits
         tl.store(part_ptr + tl.program_id(1) * N + offs_n, y, mask=offs_n < N)
-        if arrive_last(counter_ptr + tl.program_id(0), tl.num_programs(1)):
-            y = tl.zeros_like(y)
-            for s in range(tl.num_programs(1)):
-                y += tl.load(part_ptr + s * N + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
-            _store_out(y, b_ptr, out_ptr, offs_n, N, HAS_BIAS)
+        if NORM:
+            tl.store(ssq_ptr + tl.program_id(1), ssq)
+        if arrive_last(counter_ptr + tl.program_id(0), splits):
+            total = tl.zeros_like(y)
+            total_sq = tl.full([], 0.0, tl.float32)
+            for s in range(splits):
+                total += tl.load(part_ptr + s * N + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    total_sq += tl.load(ssq_ptr + s, cache_modifier=".cg")
+            _store_out(total, total_sq, b_ptr, r_ptr, out_ptr, offs_n, N, K, eps, HAS_BIAS, HAS_RESIDUAL, NORM)
     else:
-        _store_out(y, b_ptr, out_ptr, offs_n, N, HAS_BIAS)
+        _store_out(y, ssq, b_ptr, r_ptr, out_ptr, offs_n, N, K, eps, HAS_BIAS, HAS_RESIDUAL, NORM)
 
 
 @triton.jit
-def _store_out(y, b_ptr, out_ptr, offs_n, N, HAS_BIAS: tl.constexpr):
+def _store_out(y, ssq, b_ptr, r_ptr, out_ptr, offs_n, N, K, eps,
+               HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr):
+    """y * rsqrt(mean(x^2) + eps) with NORM (x's RMS norm, its weight folded into W), + bias, + residual."""
+    if NORM:
+        y = y * tl.rsqrt(ssq / K + eps)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(r_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -219,9 +234,10 @@ def _word_tile(rows, n_mask, word, k_of_word, ks, k_hi, K):
 
 
 @triton.jit
-def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups, k_per_split,
-                      stride_wb, stride_sn,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups,
+                      k_per_split, stride_wb, stride_sn,
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_N: tl.constexpr,
                       SUB: tl.constexpr, CHUNK: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
     """INT4 with "unit" dequantization (module docstring). w_ptr is the packed weight as 32-bit words, stride_wb
     its row stride in 16-byte packing blocks: as bytes, a tile carried from one step to the next is re-packed at
@@ -255,14 +271,18 @@ def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, coun
                                   GROUP, BLOCK_N, C, CHUNK)
     pdl_release(PDL)
     y = tl.sum(part, 1)
-    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, HAS_BIAS, SPLIT)
+    _store_rows(y, 0.0, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, K, 0.0, HAS_BIAS, HAS_RESIDUAL,
+                False, SPLIT)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups, k_per_split,
-                 stride_wn, stride_sn,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups,
+                 k_per_split, stride_wn, stride_sn, eps,
                  INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr,
+                 BITS: tl.constexpr, PDL: tl.constexpr):
+    """Every format but "unit" INT4. NORM (dense only) sums x^2 on the way: x is loaded for the products anyway."""
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N)[:, None]
@@ -301,6 +321,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_p
     else:
         offs_k = tl.arange(0, SUB)
         acc = tl.zeros([BLOCK_N, SUB], tl.float32)
+        sq = tl.zeros([SUB], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // SUB):
                 kk = k0 + j * SUB + offs_k
@@ -313,11 +334,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_p
                     w = w.to(tl.float32)
                 x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
                 acc += w * x[None, :]
+                if NORM:
+                    sq += x * x
     pdl_release(PDL)
     y = tl.sum(acc, axis=1)
     if PER_CHANNEL:
         y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
-    _store_rows(y, b_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, HAS_BIAS, SPLIT)
+    ssq = 0.0
+    if NORM:
+        ssq = tl.sum(sq, 0)
+    _store_rows(y, ssq, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, K, eps, HAS_BIAS, HAS_RESIDUAL,
+                NORM, SPLIT)
 
 
 def sub_tile(group: int, block_k: int) -> int:
@@ -347,17 +374,27 @@ def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
 
 
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
-            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None) -> torch.Tensor:
+            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None,
+            rms_eps: float | None = None, residual: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if rms_eps is not None and kind != DENSE:
+        raise ValueError("the GEMV normalizes its input only for float weights (a norm folds into those alone)")
     cfg = cfg or default_config(kind, n, k=k, dtype=x.dtype)
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        if residual.numel() != n:
+            raise ValueError(f"residual has {residual.numel()} elements, the output {n}")
+        residual = residual.reshape(n).contiguous()
+    out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
     split = _splits(cfg, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n), split)
+    # split > 1: [split, n] fp32 partial rows, then [row tiles, split] partial sums of squares with rms_eps
+    part_size = split * n + (grid[0] * split if rms_eps is not None else 0)
+    part = torch.empty(part_size, dtype=torch.float32, device=x.device) if split > 1 else out
     counter = counters(x.device, grid[0]) if split > 1 else out
     per_channel = kind == INT8 and group >= k
     group_k = 0 if per_channel or kind == DENSE else group
@@ -365,20 +402,22 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     pdl = pdl_args(x)
     m = s if mins is None else mins
     b = out if bias is None else bias
+    r = out if residual is None else residual
     n_groups = 1 if scales is None else scales.shape[1]
     sub = sub_tile(group_k, cfg.block_k)
     if kind == INT4 and cfg.dequant == "unit":  # packed rows are whole 16-byte blocks: read as 32-bit words
         words = w.view(torch.int32)
-        _int4_unit_kernel[grid](x1, words, s, m, b, out, part, counter, n, k, n_groups, k_per_split,
+        _int4_unit_kernel[grid](x1, words, s, m, b, r, out, part, counter, n, k, n_groups, k_per_split,
                                 w.stride(0) // 16, s.stride(0), GROUP=group_k, HAS_BIAS=bias is not None,
-                                SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
+                                HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
                                 CHUNK=min(cfg.chunk, sub // 2), AHEAD=cfg.ahead, num_warps=cfg.num_warps,
                                 num_stages=1, **pdl)
     else:
-        _gemv_kernel[grid](x1, w, s, m, b, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
-                           s.stride(0),
+        _gemv_kernel[grid](x1, w, s, m, b, r, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
+                           s.stride(0), 0.0 if rms_eps is None else rms_eps,
                            INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
-                           HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=rms_eps is not None,
+                           SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            SUB=sub, PRMT=kind == INT4 and cfg.dequant == "prmt",
                            BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1,
                            **pdl)
@@ -386,17 +425,21 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x holding one row ([..., K] with one element in the leading dims)."""
+               config: GemvConfig | None = None, *, rms_eps: float | None = None,
+               residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x holding one row ([..., K] with one element in the leading dims), in
+    out_dtype (default x's). rms_eps: x is first RMS-normalized without a weight (torch_ref.linear); residual:
+    added to the output."""
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config)
+    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config, rms_eps,
+                   residual, out_dtype)
 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                in_features: int, group: int, bias: torch.Tensor | None,
-               config: GemvConfig | None = None) -> torch.Tensor:
+               config: GemvConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
     """quant_linear (triton_quant.py) for x holding one row."""
     kind = INT4 if qweight.dtype == torch.uint8 else INT8
-    return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config)
-
+    return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config,
+                   residual=residual)

@@ -2,18 +2,21 @@
 An int8 KV cache (its dtype says so) goes to the kernels of triton_kv_quant; every other cache dtype,
 fp8 included, to the float ones."""
 import torch
-import torch.nn.functional as F
 
-from tokenmill.kernels import triton_attention, triton_kv_quant, triton_rope_cache
+from tokenmill.kernels import (
+    torch_ref,
+    triton_attention,
+    triton_kv_quant,
+    triton_rope_cache,
+)
 from tokenmill.kernels.triton_activation import silu_and_mul
 from tokenmill.kernels.triton_argmax import argmax
 from tokenmill.kernels.triton_gemv import dense_gemv
-from tokenmill.kernels.triton_norm import fused_add_rms_norm, rms_norm
+from tokenmill.kernels.triton_norm import rms_norm
 from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
 __all__ = [
     "argmax",
-    "fused_add_rms_norm",
     "linear",
     "paged_attention",
     "rms_norm",
@@ -24,12 +27,16 @@ __all__ = [
 ]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One row in 16 bits (batch-1 decode): the Triton GEMV, which reads small matrices faster than cuBLAS
-    (docs/BENCHMARKS.md); anything else: cuBLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rms_eps: float | None = None,
+           residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch_ref.linear. One row in 16 bits (batch-1 decode): the Triton GEMV, which reads small matrices faster
+    than cuBLAS (docs/BENCHMARKS.md) and normalizes, adds the residual and casts in the same launch; anything
+    else: the norm kernel, then cuBLAS."""
     if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16):
-        return dense_gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return dense_gemv(x, weight, bias, rms_eps=rms_eps, residual=residual, out_dtype=out_dtype)
+    if rms_eps is not None:
+        x = rms_norm(x, None, rms_eps)
+    return torch_ref.linear(x, weight, bias, residual=residual, out_dtype=out_dtype)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -73,11 +73,12 @@ def _nibble_to_float(nib, DTYPE: tl.constexpr, BIT_TRICK: tl.constexpr):
 
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, counter_ptr,
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr,
                          M, N, K, n_groups, k_per_split,
                          stride_xm, stride_wn, stride_sn, stride_om, stride_split,
                          INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                         PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SUB: tl.constexpr, BIT_DEQUANT: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -136,17 +137,20 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, out_ptr, part_ptr, c
             acc = tl.zeros_like(acc)
             for s in range(tl.num_programs(2)):
                 acc += tl.load(part_ptr + s * stride_split + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_tile(acc, b_ptr, out_ptr + out_off, offs_n, N, out_mask, HAS_BIAS)
+            _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
     else:
-        _store_tile(acc, b_ptr, out_ptr + out_off, offs_n, N, out_mask, HAS_BIAS)
+        _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
-def _store_tile(acc, b_ptr, out_ptrs, offs_n, N, out_mask, HAS_BIAS: tl.constexpr):
-    """A tile (+ bias) in the output's dtype."""
+def _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask,
+                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """A tile (+ bias, + residual, laid out as the output) in the output's dtype."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + out_off, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
@@ -163,11 +167,11 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None,
-                 config: MatmulConfig | None = None) -> torch.Tensor:
-    """x [..., in_features] @ W.T + bias, W packed INT8 (int8 qweight) or INT4 (uint8); same as quant_ref. One row
-    goes to the GEMV unless a config is given (the tile kernel then runs whatever M is)."""
+                 config: MatmulConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in_features] @ W.T + bias (+ residual), W packed INT8 (int8 qweight) or INT4 (uint8); same as
+    quant_ref. One row goes to the GEMV unless a config is given (the tile kernel then runs whatever M is)."""
     if config is None and x.numel() == in_features:
-        return quant_gemv(x, qweight, scales, mins, in_features, group, bias)
+        return quant_gemv(x, qweight, scales, mins, in_features, group, bias, residual=residual)
     int4 = qweight.dtype == torch.uint8
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
@@ -177,6 +181,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
+    if residual is not None:
+        residual = residual.reshape(m, n).contiguous()
     per_channel = not int4 and group >= k
     cfg = config or pick_config(m, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
@@ -185,11 +191,12 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     counter = counters(x.device, grid[0] * grid[1]) if splits > 1 else out
     _quant_matmul_kernel[grid](
-        x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias, out, part, counter,
+        x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias,
+        out if residual is None else residual, out, part, counter,
         m, n, k, scales.shape[1], k_per_split,
         x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_RESIDUAL=residual is not None, SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB=sub_tile(0 if per_channel else group, cfg.block_k), BIT_DEQUANT=cfg.bit_dequant and int4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

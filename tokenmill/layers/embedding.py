@@ -42,4 +42,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.ops = get_ops(torch.get_default_device())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(self.ops.linear(hidden, self.weight).float())
+        return all_gather_last_dim(self.ops.linear(hidden, self.weight, out_dtype=torch.float32))

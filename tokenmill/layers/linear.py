@@ -37,8 +37,10 @@ class Linear(nn.Module):
             raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
         param.data.copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, *, rms_eps: float | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b; rms_eps: x RMS-normalized first (a norm folded into W); residual: added to the output."""
+        return self.ops.linear(x, self.weight, self.bias, rms_eps=rms_eps, residual=residual)
 
 
 class ColumnParallelLinear(Linear):
@@ -66,9 +68,13 @@ class RowParallelLinear(Linear):
         start, end = self.col_range
         return tensor[:, start:end] if name == "weight" else tensor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.ops.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
+    def forward(self, x: torch.Tensor, *, rms_eps: float | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        if tp_size() == 1:  # the residual add goes into the matmul's store; with ranks it must follow the sum
+            return super().forward(x, rms_eps=rms_eps, residual=residual)
+        y = all_reduce(self.ops.linear(x, self.weight, rms_eps=rms_eps))
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else y + residual
 
 
 class MergedLinear(Linear):

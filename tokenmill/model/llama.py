@@ -33,15 +33,18 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rms_eps: float | None, residual: torch.Tensor,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x): x and rms_eps as RMSNorm.for_projection gives them."""
+        qkv = self.qkv_proj(x, rms_eps=rms_eps)
+        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         o = self.attn(positions, q, k, v, cos_sin_cache)
-        return self.o_proj(o.view(-1, self.q_size))
+        return self.o_proj(o.view(-1, self.q_size), residual=residual)
 
 
 class LlamaMLP(nn.Module):
@@ -53,8 +56,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, rms_eps: float | None, residual: torch.Tensor) -> torch.Tensor:
+        """residual + mlp(x): x and rms_eps as RMSNorm.for_projection gives them."""
+        return self.down_proj(self.act(self.gate_up_proj(x, rms_eps=rms_eps)), residual=residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -65,15 +69,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """The residual stream after this layer. The residual adds happen in the o and down projections' stores."""
+        hidden = self.self_attn(positions, *self.input_layernorm.for_projection(hidden), hidden, cos_sin_cache)
+        return self.mlp(*self.post_attention_layernorm.for_projection(hidden), hidden)
+
+    def fold_norms(self) -> None:
+        """Fold the two norms' weights into the projections they feed (float weights only)."""
+        self.input_layernorm.fold_into(self.self_attn.qkv_proj.weight)
+        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj.weight)
 
 
 class LlamaModel(nn.Module):
@@ -87,12 +91,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
         cos_sin = self.rotary.cos_sin_cache
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, cos_sin)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+            hidden = layer(positions, hidden, cos_sin)
+        return self.norm(hidden)
 
 
 # checkpoint name fragment -> (merged module fragment, shard index)
@@ -111,6 +113,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def fold_norms(self) -> None:
+        """Fold every layer's norm weights into the float projections they feed (the final norm stays: its
+        LM head may be tied to the embeddings)."""
+        for layer in self.model.layers:
+            layer.fold_norms()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab]."""

@@ -88,9 +88,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def load_model(model_config: ModelConfig, model_path: str | None, load_format: str = "auto",
                dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0, quantization: str | None = None) -> nn.Module:
+               seed: int = 0, quantization: str | None = None, fold_norms: bool = False) -> nn.Module:
     """Build the model directly on `device` in `dtype`, fill its weights, and return it in eval mode.
-    Quantized projections (`quantization`, or the checkpoint's own) are swapped in before weights load."""
+    Quantized projections (`quantization`, or the checkpoint's own) are swapped in before weights load.
+    fold_norms (the engine's choice; tools that read or save the checkpoint's own layout leave it off): the
+    layers' norm weights go into the projections they feed, where those are float (RMSNorm.fold_into)."""
     cls = get_model_class(model_config.architecture)
     if load_format != "dummy":
         model_path = resolve_model(model_path)
@@ -111,4 +113,6 @@ def load_model(model_config: ModelConfig, model_path: str | None, load_format: s
         model.load_weights(prepare_quantized_load(model, quant, model_path, load_format))
     else:
         model.load_weights(_weights(model_path, load_format))
+    if fold_norms and quant is None:
+        model.fold_norms()
     return model.eval()

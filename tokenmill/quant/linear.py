@@ -135,16 +135,24 @@ class QuantLinear(Linear):
                                    x.dtype)
         return self._cpu_packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.col_range is None else None
+    def forward(self, x: torch.Tensor, *, rms_eps: float | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        if rms_eps is not None:
+            raise ValueError("a norm folds only into float weights; a quantized projection takes its output")
+        sharded = self.col_range is not None and tp_size() > 1  # partial sums: bias and residual follow the sum
+        bias = None if sharded else self.bias
+        fused = None if sharded else residual
         if (packed := self._cpu_kernel_weight(x)) is not None:
             y = cpu_quant_linear(x, packed, bias)
+            y = y if fused is None else y + fused
         else:
-            y = self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group, bias)
-        if self.col_range is None:
+            y = self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group, bias,
+                            residual=fused)
+        if not sharded:
             return y
         y = all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else y + residual
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"

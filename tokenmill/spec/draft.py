@@ -57,7 +57,8 @@ def load_draft(args: EngineArgs, target_path: str | None, device: torch.device, 
     else:
         path, load_format, preset = name, "auto", None
     config = load_model_config(path, load_format, preset)
-    model = load_model(config, path, load_format, dtype, device, seed=args.seed, quantization=quant)
+    model = load_model(config, path, load_format, dtype, device, seed=args.seed, quantization=quant,
+                       fold_norms=True)
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
     return DraftModel(model, config, kv_bytes_per_token(config, kv_dtype))
 
