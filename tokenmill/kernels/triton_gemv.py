@@ -374,7 +374,7 @@ def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
 
 
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
-            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None,
+            n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None, *,
             rms_eps: float | None = None, residual: torch.Tensor | None = None,
             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if rms_eps is not None and kind != DENSE:
@@ -432,8 +432,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     added to the output."""
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config, rms_eps,
-                   residual, out_dtype)
+    return _launch(DENSE, x, weight, None, None, weight.shape[0], weight.shape[1], 0, bias, config, rms_eps=rms_eps,
+                   residual=residual, out_dtype=out_dtype)
 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
