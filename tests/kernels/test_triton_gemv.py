@@ -132,6 +132,17 @@ def test_linear_takes_the_gemv_for_one_16_bit_row() -> None:
     assert torch.equal(triton_ops.linear(x[:1].float(), w.float()), F.linear(x[:1].float(), w.float()))
 
 
+def test_linear_normalizes_adds_and_casts_beyond_one_row() -> None:
+    """ops.linear with more rows: the norm kernel without a weight, cuBLAS adding the residual, then the cast."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(300, 1000, device="cuda", generator=gen, dtype=torch.bfloat16)
+    x = torch.randn(5, 1000, device="cuda", generator=gen, dtype=torch.bfloat16) * 4
+    residual = torch.randn(5, 300, device="cuda", generator=gen, dtype=torch.bfloat16) * 8
+    want = torch_ref.linear(x.double(), w.double(), rms_eps=1e-5, residual=residual.double())
+    got = triton_ops.linear(x, w, rms_eps=1e-5, residual=residual, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and rel_err(got, want) < TOL[torch.bfloat16]
+
+
 def test_strided_inputs() -> None:
     """A column of a wider activation and a transposed weight view give the contiguous answer."""
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -180,8 +180,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if residual is None:
         y = F.linear(x, weight, bias)
     else:
-        y = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
-        y = (y if bias is None else y + bias).view(*x.shape[:-1], weight.shape[0])
+        c = residual.reshape(-1, weight.shape[0])
+        y = torch.addmm(c if bias is None else c + bias, x.reshape(-1, x.shape[-1]), weight.t())
+        y = y.view(*x.shape[:-1], weight.shape[0])
     return y if out_dtype is None else y.to(out_dtype)
 
 

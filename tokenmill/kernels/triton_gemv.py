@@ -1,6 +1,8 @@
 """Batch-1 decode matmul in Triton: y = x @ W.T + b for a single row x, W float (bf16, fp16, fp32) or packed
 INT8 / INT4 (tokenmill/quant/formats.py). Decode at batch 1 reads every weight once per token, so this is the
-kernel that bounds batch-1 speed.
+kernel that bounds batch-1 speed. Its store also adds a residual (the o and down projections), casts (float32
+logits), and, for float weights with an RMS norm's weight folded in, normalizes: x's sum of squares is taken in
+the main loop and the outputs are scaled by rsqrt(mean + eps) (torch_ref.linear).
 
 No tensor cores: a [BLOCK_N, BLOCK_K] weight tile times x broadcast along the rows, accumulated in fp32
 registers and reduced along K once at the end. A 16-row tile for a dot (triton_quant.py) wastes 15 rows of

@@ -1,5 +1,6 @@
-"""Quantized-weight matmul in Triton: y = x @ W.T + b with W packed INT8 or INT4 (tokenmill/quant/formats.py),
-dequantized tile by tile in registers; no dequantized copy of W ever exists in memory.
+"""Quantized-weight matmul in Triton: y = x @ W.T + b (+ a residual, added in the store) with W packed INT8 or
+INT4 (tokenmill/quant/formats.py), dequantized tile by tile in registers; no dequantized copy of W ever exists
+in memory.
 
 A single row (batch-1 decode) goes to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.

@@ -26,10 +26,10 @@ class RMSNorm(nn.Module):
     @torch.no_grad()
     def fold_into(self, weight: torch.Tensor) -> None:
         """Scale the input columns of the float weight of the projection this norm feeds by the norm's weight
-        (rounded once, from float32), and drop it: norm(x) W^T = rms(x) (W diag(g))^T."""
+        (each product rounded once: both are in the model's dtype), and drop it: norm(x) W^T = rms(x) (W diag(g))^T."""
         if self.weight is None:
             raise ValueError("this norm's weight is already folded")
         if not weight.is_floating_point():
             raise ValueError(f"a norm folds only into a float weight, not {weight.dtype}")
-        weight.copy_(weight.float() * self.weight.float())
+        weight.mul_(self.weight.to(weight.dtype))
         self.weight = None

@@ -72,7 +72,9 @@ class RowParallelLinear(Linear):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         if tp_size() == 1:  # the residual add goes into the matmul's store; with ranks it must follow the sum
             return super().forward(x, rms_eps=rms_eps, residual=residual)
-        y = all_reduce(self.ops.linear(x, self.weight, rms_eps=rms_eps))
+        if rms_eps is not None:
+            raise ValueError("a rank's slice of the input columns cannot be normalized on its own")
+        y = all_reduce(self.ops.linear(x, self.weight))
         y = y if self.bias is None else y + self.bias
         return y if residual is None else y + residual
 
