@@ -51,9 +51,12 @@ def test_gpu_greedy_equals_cpu(model_dir, cpu_tokens, kw):
     assert tokens(model_dir, device="cuda", dtype="float32", **kw) == cpu_tokens
 
 
-def test_cuda_graph_used_for_decode_and_matches_eager(model_dir):
-    eager = tokens(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=8)
+@pytest.mark.parametrize("quantization", [None, "int4"])  # int4: decode batches of 2..8 run the tensor-core kernel
+def test_cuda_graph_used_for_decode_and_matches_eager(model_dir, quantization):
+    eager = tokens(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8,
+                   quantization=quantization)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=8,
+              quantization=quantization)
     assert llm.llm_engine.runner.graphs is not None and 8 in llm.llm_engine.runner.graphs.graphs
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     del llm

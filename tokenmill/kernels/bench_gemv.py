@@ -1,6 +1,6 @@
 """GPU timings of batch-1 decode matmuls on Llama-3-8B's four projections: cuBLAS (F.linear) beside the Triton
 GEMV (triton_gemv.py) in bf16, and the quantized GEMV beside the 16-row tile kernel (triton_quant.py) in INT8
-and INT4 g128. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
+and INT4 g128; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at four. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
 decode (where 31 other layers pass through the 50 MB L2 between two uses of a matrix), not L2 speed.
 
     python -m tokenmill.kernels.bench_gemv --tune --out bench_results/gemv.json
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from tokenmill.kernels import triton_int4_mma
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
 from tokenmill.kernels.triton_gemv import (
     DENSE,
@@ -100,6 +101,15 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
         tile = pick_config(1, n, k, x.device)
         row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
         row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n, k=k))
+        if kind == INT4:  # the tensor-core kernel at one row, and against the tile kernel at four
+            mma_cfg = triton_int4_mma.default_config(1, n, k) or triton_int4_mma.MMA_CFG
+            row(f"{fmt_name} mma", time_rotating(
+                lambda *a, cfg=mma_cfg: triton_int4_mma.int4_mma_gemv(*a, cfg), qargs), moved)
+            x4 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+            q4 = [(x4, *a[1:]) for a in qargs]
+            row(f"{fmt_name} tile, 4 rows", time_rotating(lambda *a: quant_linear(*a, pick_config(4, n, k, x.device)),
+                                                          q4), moved)
+            row(f"{fmt_name} mma, 4 rows", time_rotating(triton_int4_mma.int4_mma_gemv, q4), moved)
         if kind in tune:
             ms, cfg = search(quant_gemv, qargs, grid(kind, dequant), kind, name, timings)
             row(f"{fmt_name} gemv best", ms, moved, cfg)

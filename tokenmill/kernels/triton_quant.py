@@ -2,7 +2,8 @@
 INT4 (tokenmill/quant/formats.py), dequantized tile by tile in registers; no dequantized copy of W ever exists
 in memory.
 
-A single row (batch-1 decode) goes to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
+INT4 with bf16 x of 2 to 8 rows (and one row of a wide or deep matrix) goes to the tensor-core decode kernel of
+triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.
 Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the split that
 finishes last adds the fp32 partial sums in split order (triton_arrive.py), so results are deterministic.
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import triton_int4_mma
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     group_param,
@@ -170,10 +172,17 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
                  in_features: int, group: int, bias: torch.Tensor | None,
                  config: MatmulConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in_features] @ W.T + bias (+ residual), W packed INT8 (int8 qweight) or INT4 (uint8); same as
-    quant_ref. One row goes to the GEMV unless a config is given (the tile kernel then runs whatever M is)."""
+    quant_ref. Without a config, INT4 with bf16 x of up to 8 rows goes to the tensor-core decode kernel
+    (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile kernel runs
+    the rest (and whatever M is when a config is given)."""
+    int4 = qweight.dtype == torch.uint8
+    if config is None and int4 and triton_int4_mma.supports(x, group, in_features):
+        mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features)
+        if mma_cfg is not None:
+            return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
+                                                 residual=residual)
     if config is None and x.numel() == in_features:
         return quant_gemv(x, qweight, scales, mins, in_features, group, bias, residual=residual)
-    int4 = qweight.dtype == torch.uint8
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:

@@ -1,0 +1,67 @@
+"""The tensor-core INT4 decode matmul (triton_int4_mma.py) against a float64 reference (skipped without CUDA):
+1 to 8 rows, groups 32/64/128, K not a multiple of the group or of a packing block, N not a multiple of the
+row tile, bias and residual, with and without a K split. Outputs come from torch.empty, NaN-filled in
+deterministic mode, so an output the kernel never writes fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from paged_cases import rel_err
+
+from tokenmill.kernels import quant_ref
+from tokenmill.kernels.triton_int4_mma import MmaGemvConfig, int4_mma_gemv, supports
+from tokenmill.quant.formats import QuantFormat, quantize
+
+pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
+# (n, k): one tile's rows; K past the last packing block; K a whole number of g32/g64 groups but not g128;
+# Llama-3-8B's o and down projections
+SHAPES = [(16, 128), (37, 1000), (130, 4160), (4096, 4096), (4096, 14336)]
+# the default; one split (no partials); a 4-way split with 8 warps of one tile, two spans ahead; 4 tiles a warp
+CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, split_k=4, ahead=2),
+           MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)]
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_int4_mma_gemv(m: int, n: int, k: int, fmt: str) -> None:
+    f = QuantFormat.parse(fmt)
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual = torch.randn(m, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    assert supports(x, f.group(k), k)
+    plain = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, k, f.group(k), None)
+    for cfg in CONFIGS:
+        got = int4_mma_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), None, cfg)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        assert rel_err(got, plain) < 1e-2, cfg
+    got = int4_mma_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, residual=residual)
+    assert rel_err(got, plain + bias.double() + residual.double()) < 1e-2
+
+
+def test_rows_are_independent() -> None:
+    """A row's result does not depend on the other rows of the batch (each is its own column of the mma)."""
+    f = QuantFormat.parse("int4-g128")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qw = quantize(torch.randn(512, 2048, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(8, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
+    batch = int4_mma_gemv(x, qw.qweight, qw.scales, qw.mins, 2048, 128)
+    for i in (0, 5, 7):
+        alone = int4_mma_gemv(x[i:i + 1], qw.qweight, qw.scales, qw.mins, 2048, 128)
+        assert torch.equal(batch[i:i + 1], alone)
+
+
+def test_supports() -> None:
+    x = torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert supports(x, 128, 4096)
+    assert not supports(x.half(), 128, 4096)  # the mma multiplies bf16
+    assert not supports(x.float(), 128, 4096)
+    assert not supports(torch.zeros(9, 4096, device="cuda", dtype=torch.bfloat16), 128, 4096)  # 8 columns at most
+    assert not supports(torch.zeros(1, 4100, device="cuda", dtype=torch.bfloat16), 128, 4100)  # K % 8

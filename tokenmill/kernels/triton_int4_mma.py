@@ -1,0 +1,394 @@
+"""INT4 decode matmul on tensor cores, in Gluon (Triton's explicit-layout dialect): y = x @ W.T (+ bias, + a
+residual) for 1 to 8 rows of bf16 x and W packed INT4 (tokenmill/quant/formats.py), read in the layout it is
+stored in.
+
+Why: from 2 to 8 rows the 16-row tile kernel (triton_quant.py) wastes most of each dot and moves every
+dequantized weight through shared memory into the dot's layout; here one `mma.sync.m16n8k16` multiplies 256
+weights, straight from the registers they were loaded into, by up to 8 rows of x (the 8 columns of B; rows
+past M are never stored), and a weight costs about two SASS instructions (one shift and one LOP3 turn it into
+a bf16 operand), against ~3.6 in the CUDA-core GEMV (triton_gemv.py, "unit"). H200, Llama-3-8B layer, INT4
+g128: 72 to 76 us at 2 to 8 rows against 130 to 156 (docs/BENCHMARKS.md). At one row it wins only on wide
+and deep matrices: like the GEMV it reaches about half of copy bandwidth, with a few warps a multiprocessor
+each holding one span in flight (Nsight Compute).
+
+A weight becomes a bf16 with its nibble in the mantissa, no conversion: a low nibble q under 128's exponent is
+exactly 128 + q, a high nibble shifted to bits 3-6 under 16's exponent is exactly 16 + q. The tensor cores
+sum (128 + q) x over low-nibble inputs and (16 + q) x over high ones in fp32; a second mma with constant
+operands gives, for the same x, both 128 sum(x_low) + 16 sum(x_high) (taken off) and sum(x) (times the group's
+min). Each span of inputs is one group, so a group's scale and min apply once to its sums.
+
+Every thread's registers are written out by hand, the way mma.sync wants them. Lane l of a warp (g = l // 4,
+t = l % 4) holds rows g and g + 8 of each 16-row tile and reads, per row and span, words [t WPT, (t + 1) WPT)
+of the span's packed bytes (WPT = group / 32 32-bit words, one 16-byte load at group 128). Byte i of a 32-input
+packing block holds input i (low nibble) and i + 16 (high nibble), so a word's bytes 0 and 2 give the A pairs
+of one k16 step (inputs k, k + 2 and k + 16, k + 18) and bytes 1 and 3 those of the next. The inputs each
+thread covers are the same for A and B, which is all an mma needs: x is loaded at those inputs and paired by
+byte permutes. All tensors have the layout [threads, tiles, words]: thread first, one thread a row."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from tokenmill.kernels.triton_arrive import counters
+from tokenmill.kernels.triton_gemv import WIDE_N, num_sms
+from tokenmill.kernels.triton_pdl import pdl_args
+
+MAX_ROWS = 8  # the n of m16n8k16: x's rows are the 8 columns of B
+
+
+@dataclass(frozen=True)
+class MmaGemvConfig:
+    tiles: int = 2  # 16-row tiles a warp holds
+    num_warps: int = 4
+    programs_per_sm: int = 4
+    split_k: int = 0  # 0: split K until there are about programs_per_sm programs per multiprocessor
+    ahead: int = 1  # spans (groups) loaded ahead of the one being multiplied: 1 or 2
+
+    def __post_init__(self) -> None:
+        if self.ahead not in (1, 2):
+            raise ValueError(f"MmaGemvConfig.ahead must be 1 or 2, got {self.ahead}")
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.tiles * self.num_warps
+
+
+# Tuned on the H200 (docs/BENCHMARKS.md), INT4 g128 on Llama-3-8B's four projections. Two to eight rows: the
+# least time over a layer (72 to 76 us, against 130 to 156 for the tile kernel). One row: the CUDA-core GEMV
+# (triton_gemv.py) stays faster on qkv and o (8.9 and 7.2 us against 9.1 and 7.4 at best here); wide matrices
+# (gate/up: 28.2 us against 33.1) and deep ones (down: 16.3 against 17.0) come here.
+MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)
+ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
+ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
+
+
+def default_config(m: int, n: int, k: int) -> MmaGemvConfig | None:
+    """The tuned config for m rows of x and an [n, k] weight; None where one row runs faster on the GEMV."""
+    if m > 1:
+        return MMA_CFG
+    if n >= WIDE_N:
+        return ROW_WIDE_CFG
+    return ROW_DEEP_CFG if k >= 2 * n else None
+
+
+@gluon.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """D = A B + C for each thread's fragments (bf16 A and B pairs in 32-bit words, fp32 C and D)."""
+    return gl.inline_asm_elementwise(
+        asm="mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};",
+        constraints="=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _mma_first(a0, a1, a2, a3, b0, b1):
+    """D = A B (C = 0)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .f32 z;
+        mov.f32 z, 0f00000000;
+        mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {z,z,z,z};
+        }""",
+        constraints="=f,=f,=f,=f,r,r,r,r,r,r", args=[a0, a1, a2, a3, b0, b1], dtype=(gl.float32,) * 4,
+        is_pure=True, pack=1)
+
+
+@gluon.jit
+def _mma_offsets(ba0, ba1, bb0, bb1):
+    """The mma of x with constant A over both k16 steps of a word (B pairs ba and bb): rows g take 128 at
+    low-nibble inputs and 16 at high ones (the offsets the magic numbers add: D's c0 and c1), rows g + 8 take 1
+    everywhere (the sums of x: c2 and c3)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a0, a1, a2;
+        .reg .f32 z;
+        mov.b32 a0, 0x43004300;
+        mov.b32 a1, 0x3F803F80;
+        mov.b32 a2, 0x41804180;
+        mov.f32 z, 0f00000000;
+        mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {a0,a1,a2,a1}, {$4,$5}, {z,z,z,z};
+        mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {a0,a1,a2,a1}, {$6,$7}, {$0,$1,$2,$3};
+        }""",
+        constraints="=f,=f,=f,=f,r,r,r,r", args=[ba0, ba1, bb0, bb1], dtype=(gl.float32,) * 4,
+        is_pure=True, pack=1)
+
+
+@gluon.jit
+def _weights_even(w):
+    """Bytes 0 and 2 of packed words as A pairs: (128 + q) from the low nibbles, (16 + q) from the high ones."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s;
+        shr.u32 s, $2, 1;
+        lop3.b32 $0, $2, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 $1, s, 0x00780078, 0x41804180, 0xEA;
+        }""",
+        constraints="=r,=r,r", args=[w], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _weights_odd(w):
+    """Bytes 1 and 3 of packed words as A pairs (see _weights_even)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s, u;
+        shr.u32 s, $2, 8;
+        shr.u32 u, $2, 9;
+        lop3.b32 $0, s, 0x000F000F, 0x43004300, 0xEA;
+        lop3.b32 $1, u, 0x00780078, 0x41804180, 0xEA;
+        }""",
+        constraints="=r,=r,r", args=[w], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pairs(even, odd):
+    """From words (x[i], x[i + 1]) and (x[i + 2], x[i + 3]): the B pairs (x[i], x[i + 2]) and (x[i + 1], x[i + 3])."""
+    return gl.inline_asm_elementwise(
+        asm="prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;",
+        constraints="=r,=r,r,r", args=[even, odd], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _grid_dependency(anchor, WAIT: gl.constexpr):
+    """Programmatic dependent launch (triton_pdl.py): wait for the kernels before, or let the next one start."""
+    if WAIT:
+        gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, 0;", "=r,r", [anchor], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r,r", [anchor],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k, ks, K,
+               GROUP: gl.constexpr, EVEN_K: gl.constexpr):
+    """The packed words, scales and mins of rows g and g + 8, and this thread's x words (its low-nibble inputs
+    and the high-nibble ones 16 further), for the span (one group) at input ks. Rows past N and batch rows
+    past M were clamped to the last ones: their results are never stored. Without EVEN_K, packing blocks
+    (blk_k: a block's first input in the span) and x words (xw_k) past K read as zeros."""
+    span_w = gl.multiple_of(ks // 8, GROUP // 8)
+    grp = ks // GROUP
+    sg = gl.load(s_rows_g + grp).to(gl.float32)
+    sh = gl.load(s_rows_h + grp).to(gl.float32)
+    mg = gl.load(m_rows_g + grp).to(gl.float32)
+    mh = gl.load(m_rows_h + grp).to(gl.float32)
+    x_lo_ptr = x_run + ks // 2
+    if EVEN_K:
+        wg = gl.load(w_rows_g + span_w)
+        wh = gl.load(w_rows_h + span_w)
+        x_lo = gl.load(x_lo_ptr)
+        x_hi = gl.load(x_lo_ptr + 8)
+    else:
+        wg = gl.load(w_rows_g + span_w, mask=ks + blk_k < K, other=0)
+        wh = gl.load(w_rows_h + span_w, mask=ks + blk_k < K, other=0)
+        x_lo = gl.load(x_lo_ptr, mask=ks + xw_k < K, other=0)
+        x_hi = gl.load(x_lo_ptr + 8, mask=ks + xw_k + 16 < K, other=0)
+    return wg, wh, sg, sh, mg, mh, x_lo, x_hi
+
+
+@gluon.jit
+def _span_mma(span, p0, p1, p2, p3, LTW: gl.constexpr, TWO_COLS: gl.constexpr):
+    """One span (_load_span) times x, added to the fragment registers p0..p3 (rows g, g + 8 by batch columns
+    col, col + 1)."""
+    wg, wh, sg, sh, mg, mh, x_lo, x_hi = span
+    even_lo, odd_lo = gl.split(gl.reshape(x_lo, [x_lo.shape[0], x_lo.shape[1] // 2, 2]))
+    even_hi, odd_hi = gl.split(gl.reshape(x_hi, [x_hi.shape[0], x_hi.shape[1] // 2, 2]))
+    ba_lo, bb_lo = _pairs(gl.convert_layout(even_lo, LTW), gl.convert_layout(odd_lo, LTW))
+    ba_hi, bb_hi = _pairs(gl.convert_layout(even_hi, LTW), gl.convert_layout(odd_hi, LTW))
+    ba_lo = gl.expand_dims(ba_lo, 1)
+    bb_lo = gl.expand_dims(bb_lo, 1)
+    ba_hi = gl.expand_dims(ba_hi, 1)
+    bb_hi = gl.expand_dims(bb_hi, 1)
+    o0, o1, z0, z1 = _mma_offsets(ba_lo, ba_hi, bb_lo, bb_hi)
+    lo_g, hi_g = _weights_even(wg)
+    lo_h, hi_h = _weights_even(wh)
+    c0, c1, c2, c3 = _mma_first(lo_g, lo_h, hi_g, hi_h, ba_lo, ba_hi)
+    lo_g, hi_g = _weights_odd(wg)
+    lo_h, hi_h = _weights_odd(wh)
+    c0, c1, c2, c3 = _mma(lo_g, lo_h, hi_g, hi_h, bb_lo, bb_hi, c0, c1, c2, c3)
+    o0 = gl.sum(o0, 2)
+    z0 = gl.sum(z0, 2)
+    p0 += sg * (gl.sum(c0, 2) - o0) + mg * z0
+    p2 += sh * (gl.sum(c2, 2) - o0) + mh * z0
+    if TWO_COLS:
+        o1 = gl.sum(o1, 2)
+        z1 = gl.sum(z1, 2)
+        p1 += sg * (gl.sum(c1, 2) - o1) + mg * z1
+        p3 += sh * (gl.sum(c3, 2) - o1) + mh * z1
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def _store_rows(val, rows, col, row_ok, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
+                HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, PARTIAL: gl.constexpr):
+    """One fragment register ([threads, tiles]: rows, batch column col) to out, or to this split's partials."""
+    ok = row_ok & (col < M)
+    if PARTIAL:
+        gl.store(part_ptr + (gl.program_id(1) * M + col) * N + rows, val, mask=ok)
+    else:
+        if HAS_BIAS:
+            val += gl.load(b_ptr + rows, mask=ok, other=0.0).to(gl.float32)
+        if HAS_RESIDUAL:
+            val += gl.load(r_ptr + col * N + rows, mask=ok, other=0.0).to(gl.float32)
+        gl.store(out_ptr + col * N + rows, val.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _merged(val, rows, col, row_ok, part_ptr, M, N, splits):
+    """The sum of every split's partials of one fragment register, in split order."""
+    ok = row_ok & (col < M)
+    total = gl.zeros_like(val)
+    for s in range(splits):
+        total += gl.load(part_ptr + (s * M + col) * N + rows, mask=ok, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@gluon.jit
+def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
+                     k_per_split, stride_w, stride_x, stride_sn,
+                     GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+                     SPLIT: gl.constexpr, TILES: gl.constexpr, WARPS: gl.constexpr, AHEAD: gl.constexpr,
+                     TWO_COLS: gl.constexpr, PDL: gl.constexpr):
+    """x_ptr: x as 32-bit words (bf16 pairs), stride_x words a row; w_ptr: the packed weight as 32-bit words,
+    stride_w a row. Program (i, j): rows [i BLOCK_N, (i + 1) BLOCK_N), inputs [j k_per_split, (j + 1) k_per_split)."""
+    WPT: gl.constexpr = GROUP // 32
+    L3: gl.constexpr = gl.BlockedLayout([1, TILES, WPT], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+    LTR: gl.constexpr = gl.SliceLayout(2, L3)  # [threads, tiles]
+    LTW: gl.constexpr = gl.SliceLayout(1, L3)  # [threads, words]
+    LX: gl.constexpr = gl.BlockedLayout([1, 2 * WPT], [32, 1], [WARPS, 1], [1, 0])  # [threads, x words]
+    T: gl.constexpr = 32 * WARPS
+    BLOCK_N: gl.constexpr = 16 * TILES * WARPS
+
+    tid = gl.arange(0, T, layout=gl.SliceLayout(1, LTR))
+    lane = tid % 32
+    tile = gl.arange(0, TILES, layout=gl.SliceLayout(0, LTR))
+    rows_g = (gl.program_id(0) * BLOCK_N + tid // 32 * (16 * TILES) + lane // 4)[:, None] + tile[None, :] * 16
+    rows_h = rows_g + 8
+    row_ok_g = rows_g < N
+    row_ok_h = rows_h < N
+    col = (lane % 4 * 2)[:, None]  # the batch column of fragment registers c0 and c2; c1 and c3: col + 1
+    # rows past N read the last row (never stored): no masks in the loop
+    load_g = gl.minimum(rows_g, N - 1).to(gl.int64)
+    load_h = gl.minimum(rows_h, N - 1).to(gl.int64)
+    s_rows_g = s_ptr + load_g * stride_sn
+    s_rows_h = s_ptr + load_h * stride_sn
+    m_rows_g = m_ptr + load_g * stride_sn
+    m_rows_h = m_ptr + load_h * stride_sn
+    # this thread's words of a row: [t WPT, (t + 1) WPT) of each span's
+    word = gl.arange(0, WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
+    word_t = (lane % 4 * WPT)[:, None, None] + gl.expand_dims(gl.expand_dims(word, 0), 0)
+    w_rows_g = w_ptr + gl.expand_dims(load_g * stride_w, 2) + word_t
+    w_rows_h = w_ptr + gl.expand_dims(load_h * stride_w, 2) + word_t
+    blk_k = (lane % 4 * WPT // 4 * 32)[:, None, None]  # the first input of the words' packing block (4 words)
+    # x: batch row g of the lane (past M: the last row, never stored). Byte 4 t WPT of a span is the thread's
+    # first; byte b holds input 32 (b // 16) + b % 16 in its low nibble, so the thread's low-nibble inputs are a
+    # run of 4 WPT from there (2 WPT words) and its high-nibble inputs the run 16 further.
+    tid_x = gl.arange(0, T, layout=gl.SliceLayout(1, LX))
+    lane_x = tid_x % 32
+    byte0 = lane_x % 4 * (4 * WPT)
+    x_word0 = gl.multiple_of(byte0 // 16 * 16 + byte0 % 16 // 2, 2 * WPT)
+    xw = x_word0[:, None] + gl.arange(0, 2 * WPT, layout=gl.SliceLayout(0, LX))[None, :]
+    xw_k = xw * 2  # the first input of each x word
+    x_batch = gl.minimum(lane_x // 4, M - 1).to(gl.int64)
+    x_run = x_ptr + (x_batch * stride_x)[:, None] + xw
+
+    k_lo = gl.program_id(1) * k_per_split
+    k_end = gl.minimum(k_lo + k_per_split, K)
+    p0 = gl.zeros([T, TILES], gl.float32, LTR)
+    p1 = gl.zeros([T, TILES], gl.float32, LTR)
+    p2 = gl.zeros([T, TILES], gl.float32, LTR)
+    p3 = gl.zeros([T, TILES], gl.float32, LTR)
+    last = k_lo + (k_end - k_lo - 1) // GROUP * GROUP  # the last span: loads ahead of it reload it
+    if PDL:
+        _grid_dependency(tid, True)
+    nxt = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k, k_lo, K,
+                     GROUP, EVEN_K)
+    if AHEAD == 2:
+        nxt2 = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k,
+                          gl.minimum(k_lo + GROUP, last), K, GROUP, EVEN_K)
+    for ks in range(k_lo, k_end, GROUP):
+        span = nxt
+        if AHEAD == 2:
+            nxt = nxt2
+        nxt_ahead = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k,
+                               gl.minimum(ks + AHEAD * GROUP, last), K, GROUP, EVEN_K)
+        if AHEAD == 2:
+            nxt2 = nxt_ahead
+        else:
+            nxt = nxt_ahead
+        p0, p1, p2, p3 = _span_mma(span, p0, p1, p2, p3, LTW, TWO_COLS)
+    if PDL:
+        _grid_dependency(tid, False)
+    _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+    _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+    if TWO_COLS:
+        _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                    SPLIT)
+        _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                    SPLIT)
+    if SPLIT:
+        # the last split to arrive adds all partials in split order (triton_arrive.py)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(counter_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == gl.num_programs(1) - 1:
+            gl.atomic_xchg(counter_ptr + gl.program_id(0), 0, sem="relaxed", scope="gpu")
+            splits = gl.num_programs(1)
+            p0 = _merged(p0, rows_g, col, row_ok_g, part_ptr, M, N, splits)
+            p2 = _merged(p2, rows_h, col, row_ok_h, part_ptr, M, N, splits)
+            _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                        False)
+            _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                        False)
+            if TWO_COLS:
+                p1 = _merged(p1, rows_g, col + 1, row_ok_g, part_ptr, M, N, splits)
+                p3 = _merged(p3, rows_h, col + 1, row_ok_h, part_ptr, M, N, splits)
+                _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
+                            HAS_RESIDUAL, False)
+                _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
+                            HAS_RESIDUAL, False)
+
+
+def supports(x: torch.Tensor, group: int, in_features: int) -> bool:
+    """Whether int4_mma_gemv takes this call: bf16 x of 1 to 8 rows on an sm_80+ GPU (mma.sync with bf16),
+    groups of 32, 64 or 128 and K a multiple of 8 (x is read in 16-byte pieces)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * in_features
+            and group in (32, 64, 128) and in_features % 8 == 0 and torch.version.hip is None
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                  in_features: int, group: int, bias: torch.Tensor | None = None,
+                  config: MmaGemvConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """quant_linear (triton_quant.py) for INT4 weights and x of at most 8 rows (supports())."""
+    cfg = config or MMA_CFG
+    k = in_features
+    n = qweight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1 or x2.stride(0) != k:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if residual is not None:
+        if residual.numel() != m * n:
+            raise ValueError(f"residual has {residual.numel()} elements, the output {m * n}")
+        residual = residual.reshape(m, n).contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    row_tiles = triton.cdiv(n, cfg.block_n)
+    spans = triton.cdiv(k, group)
+    split = cfg.split_k or triton.cdiv(cfg.programs_per_sm * num_sms(x.device.index or 0), row_tiles)
+    split = max(1, min(split, spans, 32))
+    k_per_split = triton.cdiv(spans, split) * group
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else out
+    counter = counters(x.device, row_tiles) if split > 1 else out
+    _int4_mma_kernel[(row_tiles, split)](
+        x2.view(torch.int32), qweight.view(torch.int32), scales, mins, out if bias is None else bias,
+        out if residual is None else residual, out, part, counter, m, n, k, k_per_split,
+        qweight.stride(0) // 4, k // 2, scales.stride(0), GROUP=group, EVEN_K=k % group == 0,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, TILES=cfg.tiles,
+        WARPS=cfg.num_warps, AHEAD=cfg.ahead, TWO_COLS=m > 1, num_warps=cfg.num_warps, **pdl_args(x))
+    return out.view(*x.shape[:-1], n)
