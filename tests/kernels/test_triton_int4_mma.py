@@ -1,5 +1,5 @@
 """The tensor-core INT4 decode matmul (triton_int4_mma.py) against a float64 reference (skipped without CUDA):
-1 to 8 rows, groups 32/64/128, K not a multiple of the group or of a packing block, N not a multiple of the
+1 to 16 rows (one and two column tiles), groups 32/64/128, K not a multiple of the group or of a packing block, N not a multiple of the
 row tile, bias and residual, with and without a K split. Outputs come from torch.empty, NaN-filled in
 deterministic mode, so an output the kernel never writes fails."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, s
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 16])
 def test_int4_mma_gemv(m: int, n: int, k: int, fmt: str) -> None:
     f = QuantFormat.parse(fmt)
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
@@ -51,9 +51,9 @@ def test_rows_are_independent() -> None:
     f = QuantFormat.parse("int4-g128")
     gen = torch.Generator(device="cuda").manual_seed(0)
     qw = quantize(torch.randn(512, 2048, device="cuda", generator=gen) * 0.05, f)
-    x = torch.randn(8, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
+    x = torch.randn(16, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
     batch = int4_mma_gemv(x, qw.qweight, qw.scales, qw.mins, 2048, 128)
-    for i in (0, 5, 7):
+    for i in (0, 5, 7, 8, 15):
         alone = int4_mma_gemv(x[i:i + 1], qw.qweight, qw.scales, qw.mins, 2048, 128)
         assert torch.equal(batch[i:i + 1], alone)
 
@@ -63,5 +63,6 @@ def test_supports() -> None:
     assert supports(x, 128, 4096)
     assert not supports(x.half(), 128, 4096)  # the mma multiplies bf16
     assert not supports(x.float(), 128, 4096)
-    assert not supports(torch.zeros(9, 4096, device="cuda", dtype=torch.bfloat16), 128, 4096)  # 8 columns at most
+    assert supports(torch.zeros(16, 4096, device="cuda", dtype=torch.bfloat16), 128, 4096)
+    assert not supports(torch.zeros(17, 4096, device="cuda", dtype=torch.bfloat16), 128, 4096)  # 2 x 8 columns
     assert not supports(torch.zeros(1, 4100, device="cuda", dtype=torch.bfloat16), 128, 4100)  # K % 8

@@ -1,15 +1,16 @@
 """INT4 decode matmul on tensor cores, in Gluon (Triton's explicit-layout dialect): y = x @ W.T (+ bias, + a
-residual) for 1 to 8 rows of bf16 x and W packed INT4 (tokenmill/quant/formats.py), read in the layout it is
+residual) for 1 to 16 rows of bf16 x and W packed INT4 (tokenmill/quant/formats.py), read in the layout it is
 stored in.
 
-Why: from 2 to 8 rows the 16-row tile kernel (triton_quant.py) wastes most of each dot and moves every
+Why: from 2 to 16 rows the 16-row tile kernel (triton_quant.py) wastes most of each dot and moves every
 dequantized weight through shared memory into the dot's layout; here one `mma.sync.m16n8k16` multiplies 256
 weights, straight from the registers they were loaded into, by up to 8 rows of x (the 8 columns of B; rows
-past M are never stored), and a weight costs about two SASS instructions (one shift and one LOP3 turn it into
-a bf16 operand), against ~3.6 in the CUDA-core GEMV (triton_gemv.py, "unit"). H200, Llama-3-8B layer, INT4
-g128: 72 to 76 us at 2 to 8 rows against 130 to 156 (docs/BENCHMARKS.md). At one row it wins only on wide
-and deep matrices: like the GEMV it reaches about half of copy bandwidth, with a few warps a multiprocessor
-each holding one span in flight (Nsight Compute).
+past M are never stored; 9 to 16 rows take a second column tile, the same A fragment times a second B), and a
+weight costs about two SASS instructions (one shift and one LOP3 turn it into a bf16 operand), against ~3.6
+in the CUDA-core GEMV (triton_gemv.py, "unit"). H200, Llama-3-8B layer, INT4 g128: 72 to 76 us at 2 to 8 rows
+against 130 to 156, 109 to 113 at 12 and 16 rows against 163 to 170 (docs/BENCHMARKS.md). At one row it wins
+only on wide and deep matrices: like the GEMV it reaches about half of copy bandwidth, with a few warps a
+multiprocessor each holding one span in flight (Nsight Compute).
 
 A weight becomes a bf16 with its nibble in the mantissa, no conversion: a low nibble q under 128's exponent is
 exactly 128 + q, a high nibble shifted to bits 3-6 under 16's exponent is exactly 16 + q. The tensor cores
@@ -37,7 +38,7 @@ from tokenmill.kernels.triton_arrive import counters
 from tokenmill.kernels.triton_gemv import WIDE_N, num_sms
 from tokenmill.kernels.triton_pdl import pdl_args
 
-MAX_ROWS = 8  # the n of m16n8k16: x's rows are the 8 columns of B
+MAX_ROWS = 16  # two column tiles: the n of m16n8k16 is 8, x's rows are the columns of B
 
 
 @dataclass(frozen=True)
@@ -58,16 +59,20 @@ class MmaGemvConfig:
 
 
 # Tuned on the H200 (docs/BENCHMARKS.md), INT4 g128 on Llama-3-8B's four projections. Two to eight rows: the
-# least time over a layer (72 to 76 us, against 130 to 156 for the tile kernel). One row: the CUDA-core GEMV
+# least time over a layer (72 to 76 us, against 130 to 156 for the tile kernel); 12 and 16 rows: 109 and 113
+# (163 and 170). One row: the CUDA-core GEMV
 # (triton_gemv.py) stays faster on qkv and o (8.9 and 7.2 us against 9.1 and 7.4 at best here); wide matrices
 # (gate/up: 28.2 us against 33.1) and deep ones (down: 16.3 against 17.0) come here.
 MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)
+MMA16_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)  # 9 to 16 rows: two column tiles
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
 ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
 
 
 def default_config(m: int, n: int, k: int) -> MmaGemvConfig | None:
     """The tuned config for m rows of x and an [n, k] weight; None where one row runs faster on the GEMV."""
+    if m > 8:
+        return MMA16_CFG
     if m > 1:
         return MMA_CFG
     if n >= WIDE_N:
@@ -168,9 +173,9 @@ def _grid_dependency(anchor, WAIT: gl.constexpr):
 def _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k, ks, K,
                GROUP: gl.constexpr, EVEN_K: gl.constexpr):
     """The packed words, scales and mins of rows g and g + 8, and this thread's x words (its low-nibble inputs
-    and the high-nibble ones 16 further), for the span (one group) at input ks. Rows past N and batch rows
-    past M were clamped to the last ones: their results are never stored. Without EVEN_K, packing blocks
-    (blk_k: a block's first input in the span) and x words (xw_k) past K read as zeros."""
+    and the high-nibble ones 16 further, for each column tile), for the span (one group) at input ks. Rows past
+    N and batch rows past M were clamped to the last ones: their results are never stored. Without EVEN_K,
+    packing blocks (blk_k: a block's first input in the span) and x words (xw_k) past K read as zeros."""
     span_w = gl.multiple_of(ks // 8, GROUP // 8)
     grp = ks // GROUP
     sg = gl.load(s_rows_g + grp).to(gl.float32)
@@ -192,41 +197,57 @@ def _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run
 
 
 @gluon.jit
-def _span_mma(span, p0, p1, p2, p3, LTW: gl.constexpr, TWO_COLS: gl.constexpr):
-    """One span (_load_span) times x, added to the fragment registers p0..p3 (rows g, g + 8 by batch columns
-    col, col + 1)."""
+def _b_pairs(x_words, LB: gl.constexpr):
+    """[threads, column tiles, 2 WPT] x words -> the B pairs of the even and odd k16 steps of each word,
+    [threads, 1, column tiles, WPT]."""
+    even, odd = gl.split(gl.reshape(x_words, [x_words.shape[0], x_words.shape[1], x_words.shape[2] // 2, 2]))
+    ba, bb = _pairs(gl.convert_layout(even, LB), gl.convert_layout(odd, LB))
+    return gl.expand_dims(ba, 1), gl.expand_dims(bb, 1)
+
+
+@gluon.jit
+def _span_mma(span, p0, p1, p2, p3, LB: gl.constexpr, PAIR: gl.constexpr):
+    """One span (_load_span) times x, added to the fragment registers p0..p3 ([threads, tiles, column tiles]:
+    rows g, g + 8 by batch columns col, col + 1 of each column tile)."""
     wg, wh, sg, sh, mg, mh, x_lo, x_hi = span
-    even_lo, odd_lo = gl.split(gl.reshape(x_lo, [x_lo.shape[0], x_lo.shape[1] // 2, 2]))
-    even_hi, odd_hi = gl.split(gl.reshape(x_hi, [x_hi.shape[0], x_hi.shape[1] // 2, 2]))
-    ba_lo, bb_lo = _pairs(gl.convert_layout(even_lo, LTW), gl.convert_layout(odd_lo, LTW))
-    ba_hi, bb_hi = _pairs(gl.convert_layout(even_hi, LTW), gl.convert_layout(odd_hi, LTW))
-    ba_lo = gl.expand_dims(ba_lo, 1)
-    bb_lo = gl.expand_dims(bb_lo, 1)
-    ba_hi = gl.expand_dims(ba_hi, 1)
-    bb_hi = gl.expand_dims(bb_hi, 1)
+    ba_lo, bb_lo = _b_pairs(x_lo, LB)
+    ba_hi, bb_hi = _b_pairs(x_hi, LB)
     o0, o1, z0, z1 = _mma_offsets(ba_lo, ba_hi, bb_lo, bb_hi)
     lo_g, hi_g = _weights_even(wg)
     lo_h, hi_h = _weights_even(wh)
+    lo_g = gl.expand_dims(lo_g, 2)
+    lo_h = gl.expand_dims(lo_h, 2)
+    hi_g = gl.expand_dims(hi_g, 2)
+    hi_h = gl.expand_dims(hi_h, 2)
     c0, c1, c2, c3 = _mma_first(lo_g, lo_h, hi_g, hi_h, ba_lo, ba_hi)
     lo_g, hi_g = _weights_odd(wg)
     lo_h, hi_h = _weights_odd(wh)
+    lo_g = gl.expand_dims(lo_g, 2)
+    lo_h = gl.expand_dims(lo_h, 2)
+    hi_g = gl.expand_dims(hi_g, 2)
+    hi_h = gl.expand_dims(hi_h, 2)
     c0, c1, c2, c3 = _mma(lo_g, lo_h, hi_g, hi_h, bb_lo, bb_hi, c0, c1, c2, c3)
-    o0 = gl.sum(o0, 2)
-    z0 = gl.sum(z0, 2)
-    p0 += sg * (gl.sum(c0, 2) - o0) + mg * z0
-    p2 += sh * (gl.sum(c2, 2) - o0) + mh * z0
-    if TWO_COLS:
-        o1 = gl.sum(o1, 2)
-        z1 = gl.sum(z1, 2)
-        p1 += sg * (gl.sum(c1, 2) - o1) + mg * z1
-        p3 += sh * (gl.sum(c3, 2) - o1) + mh * z1
+    sg = gl.expand_dims(sg, 2)
+    sh = gl.expand_dims(sh, 2)
+    mg = gl.expand_dims(mg, 2)
+    mh = gl.expand_dims(mh, 2)
+    o0 = gl.sum(o0, 3)
+    z0 = gl.sum(z0, 3)
+    p0 += sg * (gl.sum(c0, 3) - o0) + mg * z0
+    p2 += sh * (gl.sum(c2, 3) - o0) + mh * z0
+    if PAIR:
+        o1 = gl.sum(o1, 3)
+        z1 = gl.sum(z1, 3)
+        p1 += sg * (gl.sum(c1, 3) - o1) + mg * z1
+        p3 += sh * (gl.sum(c3, 3) - o1) + mh * z1
     return p0, p1, p2, p3
 
 
 @gluon.jit
 def _store_rows(val, rows, col, row_ok, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
                 HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, PARTIAL: gl.constexpr):
-    """One fragment register ([threads, tiles]: rows, batch column col) to out, or to this split's partials."""
+    """One fragment register ([threads, tiles, column tiles]: rows, batch columns col) to out, or to this
+    split's partials."""
     ok = row_ok & (col < M)
     if PARTIAL:
         gl.store(part_ptr + (gl.program_id(1) * M + col) * N + rows, val, mask=ok)
@@ -252,26 +273,27 @@ def _merged(val, rows, col, row_ok, part_ptr, M, N, splits):
 def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
                      k_per_split, stride_w, stride_x, stride_sn,
                      GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-                     SPLIT: gl.constexpr, TILES: gl.constexpr, WARPS: gl.constexpr, AHEAD: gl.constexpr,
-                     TWO_COLS: gl.constexpr, PDL: gl.constexpr):
+                     SPLIT: gl.constexpr, TILES: gl.constexpr, COLS: gl.constexpr, WARPS: gl.constexpr,
+                     AHEAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr):
     """x_ptr: x as 32-bit words (bf16 pairs), stride_x words a row; w_ptr: the packed weight as 32-bit words,
-    stride_w a row. Program (i, j): rows [i BLOCK_N, (i + 1) BLOCK_N), inputs [j k_per_split, (j + 1) k_per_split)."""
+    stride_w a row. Program (i, j): rows [i BLOCK_N, (i + 1) BLOCK_N), inputs [j k_per_split, (j + 1) k_per_split),
+    batch rows in COLS column tiles of 8 (each A fragment is multiplied by each)."""
     WPT: gl.constexpr = GROUP // 32
-    L3: gl.constexpr = gl.BlockedLayout([1, TILES, WPT], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
-    LTR: gl.constexpr = gl.SliceLayout(2, L3)  # [threads, tiles]
-    LTW: gl.constexpr = gl.SliceLayout(1, L3)  # [threads, words]
-    LX: gl.constexpr = gl.BlockedLayout([1, 2 * WPT], [32, 1], [WARPS, 1], [1, 0])  # [threads, x words]
+    L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+    LA: gl.constexpr = gl.SliceLayout(2, L4)  # [threads, tiles, words]: A
+    LB: gl.constexpr = gl.SliceLayout(1, L4)  # [threads, column tiles, words]: B
+    LP: gl.constexpr = gl.SliceLayout(3, L4)  # [threads, tiles, column tiles]: results
+    LS: gl.constexpr = gl.SliceLayout(2, LP)  # [threads, tiles]: rows, scales
+    LSA: gl.constexpr = gl.SliceLayout(2, LA)  # the same, as A's
+    LX: gl.constexpr = gl.BlockedLayout([1, COLS, 2 * WPT], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])  # x words
     T: gl.constexpr = 32 * WARPS
     BLOCK_N: gl.constexpr = 16 * TILES * WARPS
 
-    tid = gl.arange(0, T, layout=gl.SliceLayout(1, LTR))
+    tid = gl.arange(0, T, layout=gl.SliceLayout(1, LS))
     lane = tid % 32
-    tile = gl.arange(0, TILES, layout=gl.SliceLayout(0, LTR))
+    tile = gl.arange(0, TILES, layout=gl.SliceLayout(0, LS))
     rows_g = (gl.program_id(0) * BLOCK_N + tid // 32 * (16 * TILES) + lane // 4)[:, None] + tile[None, :] * 16
     rows_h = rows_g + 8
-    row_ok_g = rows_g < N
-    row_ok_h = rows_h < N
-    col = (lane % 4 * 2)[:, None]  # the batch column of fragment registers c0 and c2; c1 and c3: col + 1
     # rows past N read the last row (never stored): no masks in the loop
     load_g = gl.minimum(rows_g, N - 1).to(gl.int64)
     load_h = gl.minimum(rows_h, N - 1).to(gl.int64)
@@ -280,29 +302,32 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
     m_rows_g = m_ptr + load_g * stride_sn
     m_rows_h = m_ptr + load_h * stride_sn
     # this thread's words of a row: [t WPT, (t + 1) WPT) of each span's
-    word = gl.arange(0, WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
-    word_t = (lane % 4 * WPT)[:, None, None] + gl.expand_dims(gl.expand_dims(word, 0), 0)
-    w_rows_g = w_ptr + gl.expand_dims(load_g * stride_w, 2) + word_t
-    w_rows_h = w_ptr + gl.expand_dims(load_h * stride_w, 2) + word_t
-    blk_k = (lane % 4 * WPT // 4 * 32)[:, None, None]  # the first input of the words' packing block (4 words)
-    # x: batch row g of the lane (past M: the last row, never stored). Byte 4 t WPT of a span is the thread's
-    # first; byte b holds input 32 (b // 16) + b % 16 in its low nibble, so the thread's low-nibble inputs are a
-    # run of 4 WPT from there (2 WPT words) and its high-nibble inputs the run 16 further.
-    tid_x = gl.arange(0, T, layout=gl.SliceLayout(1, LX))
+    word = gl.arange(0, WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, LA)))
+    lane_a = gl.convert_layout(lane, gl.SliceLayout(1, LSA))
+    word_t = (lane_a % 4 * WPT)[:, None, None] + gl.expand_dims(gl.expand_dims(word, 0), 0)
+    w_rows_g = w_ptr + gl.expand_dims(gl.convert_layout(load_g * stride_w, LSA), 2) + word_t
+    w_rows_h = w_ptr + gl.expand_dims(gl.convert_layout(load_h * stride_w, LSA), 2) + word_t
+    blk_k = (lane_a % 4 * WPT // 4 * 32)[:, None, None]  # the first input of the words' packing block (4 words)
+    # x: batch row g + 8 c of the lane in column tile c (past M: the last row, never stored). Byte 4 t WPT of a
+    # span is the thread's first; byte b holds input 32 (b // 16) + b % 16 in its low nibble, so the thread's
+    # low-nibble inputs are a run of 4 WPT from there (2 WPT words) and its high-nibble inputs the run 16 further.
+    tid_x = gl.arange(0, T, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
     lane_x = tid_x % 32
     byte0 = lane_x % 4 * (4 * WPT)
     x_word0 = gl.multiple_of(byte0 // 16 * 16 + byte0 % 16 // 2, 2 * WPT)
-    xw = x_word0[:, None] + gl.arange(0, 2 * WPT, layout=gl.SliceLayout(0, LX))[None, :]
+    xw = x_word0[:, None, None] + gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 2 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, LX))), 0), 0)
     xw_k = xw * 2  # the first input of each x word
-    x_batch = gl.minimum(lane_x // 4, M - 1).to(gl.int64)
-    x_run = x_ptr + (x_batch * stride_x)[:, None] + xw
+    x_col = gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+    x_batch = gl.minimum((lane_x // 4)[:, None] + x_col[None, :] * 8, M - 1).to(gl.int64)
+    x_run = x_ptr + gl.expand_dims(x_batch * stride_x, 2) + xw
 
     k_lo = gl.program_id(1) * k_per_split
     k_end = gl.minimum(k_lo + k_per_split, K)
-    p0 = gl.zeros([T, TILES], gl.float32, LTR)
-    p1 = gl.zeros([T, TILES], gl.float32, LTR)
-    p2 = gl.zeros([T, TILES], gl.float32, LTR)
-    p3 = gl.zeros([T, TILES], gl.float32, LTR)
+    p0 = gl.zeros([T, TILES, COLS], gl.float32, LP)
+    p1 = gl.zeros([T, TILES, COLS], gl.float32, LP)
+    p2 = gl.zeros([T, TILES, COLS], gl.float32, LP)
+    p3 = gl.zeros([T, TILES, COLS], gl.float32, LP)
     last = k_lo + (k_end - k_lo - 1) // GROUP * GROUP  # the last span: loads ahead of it reload it
     if PDL:
         _grid_dependency(tid, True)
@@ -321,12 +346,20 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
             nxt2 = nxt_ahead
         else:
             nxt = nxt_ahead
-        p0, p1, p2, p3 = _span_mma(span, p0, p1, p2, p3, LTW, TWO_COLS)
+        p0, p1, p2, p3 = _span_mma(span, p0, p1, p2, p3, LB, PAIR)
     if PDL:
         _grid_dependency(tid, False)
+    # fragment registers c0 and c2 hold batch column col, c1 and c3 col + 1, of column tile c
+    col = gl.expand_dims((lane % 4 * 2)[:, None], 2)
+    col = col + gl.expand_dims(gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(0, LP))),
+                                              0), 0) * 8
+    rows_g = gl.expand_dims(rows_g, 2)
+    rows_h = rows_g + 8
+    row_ok_g = rows_g < N
+    row_ok_h = rows_h < N
     _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
     _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
-    if TWO_COLS:
+    if PAIR:
         _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
                     SPLIT)
         _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
@@ -344,7 +377,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
                         False)
             _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
                         False)
-            if TWO_COLS:
+            if PAIR:
                 p1 = _merged(p1, rows_g, col + 1, row_ok_g, part_ptr, M, N, splits)
                 p3 = _merged(p3, rows_h, col + 1, row_ok_h, part_ptr, M, N, splits)
                 _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
@@ -354,7 +387,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
 
 
 def supports(x: torch.Tensor, group: int, in_features: int) -> bool:
-    """Whether int4_mma_gemv takes this call: bf16 x of 1 to 8 rows on an sm_80+ GPU (mma.sync with bf16),
+    """Whether int4_mma_gemv takes this call: bf16 x of 1 to 16 rows on an sm_80+ GPU (mma.sync with bf16),
     groups of 32, 64 or 128 and K a multiple of 8 (x is read in 16-byte pieces)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * in_features
             and group in (32, 64, 128) and in_features % 8 == 0 and torch.version.hip is None
@@ -364,8 +397,8 @@ def supports(x: torch.Tensor, group: int, in_features: int) -> bool:
 def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                   in_features: int, group: int, bias: torch.Tensor | None = None,
                   config: MmaGemvConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """quant_linear (triton_quant.py) for INT4 weights and x of at most 8 rows (supports())."""
-    cfg = config or MMA_CFG
+    """quant_linear (triton_quant.py) for INT4 weights and x of at most 16 rows (supports())."""
+    cfg = config or (MMA16_CFG if x.numel() > 8 * in_features else MMA_CFG)
     k = in_features
     n = qweight.shape[0]
     x2 = x.reshape(-1, k)
@@ -390,5 +423,5 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         out if residual is None else residual, out, part, counter, m, n, k, k_per_split,
         qweight.stride(0) // 4, k // 2, scales.stride(0), GROUP=group, EVEN_K=k % group == 0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, TILES=cfg.tiles,
-        WARPS=cfg.num_warps, AHEAD=cfg.ahead, TWO_COLS=m > 1, num_warps=cfg.num_warps, **pdl_args(x))
+        WARPS=cfg.num_warps, AHEAD=cfg.ahead, COLS=triton.cdiv(m, 8), PAIR=m > 1, num_warps=cfg.num_warps, **pdl_args(x))
     return out.view(*x.shape[:-1], n)

@@ -2,7 +2,7 @@
 INT4 (tokenmill/quant/formats.py), dequantized tile by tile in registers; no dequantized copy of W ever exists
 in memory.
 
-INT4 with bf16 x of 2 to 8 rows (and one row of a wide or deep matrix) goes to the tensor-core decode kernel of
+INT4 with bf16 x of 2 to 16 rows (and one row of a wide or deep matrix) goes to the tensor-core decode kernel of
 triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.
 Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the split that
@@ -172,7 +172,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
                  in_features: int, group: int, bias: torch.Tensor | None,
                  config: MatmulConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in_features] @ W.T + bias (+ residual), W packed INT8 (int8 qweight) or INT4 (uint8); same as
-    quant_ref. Without a config, INT4 with bf16 x of up to 8 rows goes to the tensor-core decode kernel
+    quant_ref. Without a config, INT4 with bf16 x of up to 16 rows goes to the tensor-core decode kernel
     (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile kernel runs
     the rest (and whatever M is when a config is given)."""
     int4 = qweight.dtype == torch.uint8
