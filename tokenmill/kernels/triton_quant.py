@@ -57,7 +57,8 @@ class MatmulConfig:
 
 # `python -m tokenmill.quant.bench --tune` searches tile shapes. SKINNY was its best at M = 1 on the H200 (4096 x
 # 14336: INT8 22.1 us against 23.0 for the first guess; INT4 g128 31.6 against 34.2), before one row went to the
-# GEMV; it now serves M = 2..16 and has not been re-tuned there. GEMM is an untuned starting point.
+# GEMV; it now serves M = 2..16 (INT8, and INT4 with float16 or float32 x: bf16 INT4 takes triton_int4_mma.py) and
+# has not been re-tuned there. GEMM is an untuned starting point.
 SKINNY_M = 16
 SKINNY = MatmulConfig(16, 32, 256, num_warps=4, num_stages=4)
 GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
