@@ -43,11 +43,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step "env" "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 DUMMY=(--load-format dummy --model-preset llama-3-8b)
 tests() {
-    # the GEMV tests compile ~100 kernel variants: pytest-xdist spreads the compiles over the CPUs (4 min -> 50 s)
+    # the GEMV tests compile ~100 kernel variants, the INT4 mma tests ~50: pytest-xdist spreads the compiles over
+    # the CPUs (4 min -> 50 s)
     local xdist=()
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "$(( $(nproc) < 12 ? $(nproc) : 12 ))" -p no:cacheprovider)
-    step "kernel tests" "$PY" -m pytest tests/kernels -x -q --ignore tests/kernels/test_triton_gemv.py
-    step "gemv tests" "$PY" -m pytest tests/kernels/test_triton_gemv.py -x -q "${xdist[@]}"
+    step "kernel tests" "$PY" -m pytest tests/kernels -x -q --ignore tests/kernels/test_triton_gemv.py \
+        --ignore tests/kernels/test_triton_int4_mma.py
+    step "gemv tests" "$PY" -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_int4_mma.py -x -q \
+        "${xdist[@]}"
     step "quant tests" "$PY" -m pytest tests/quant/test_triton_quant.py -x -q
     step "runner tests" "$PY" -m pytest tests/runner -x -q  # sampling and pending tokens never wait for the GPU
     step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -v --durations=0
