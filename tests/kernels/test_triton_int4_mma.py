@@ -1,7 +1,7 @@
 """The tensor-core INT4 decode matmul (triton_int4_mma.py) against a float64 reference (skipped without CUDA):
-1 to 16 rows (one and two column tiles), groups 32/64/128, K not a multiple of the group or of a packing block, N not a multiple of the
-row tile, bias and residual, with and without a K split. Outputs come from torch.empty, NaN-filled in
-deterministic mode, so an output the kernel never writes fails."""
+1 to 16 rows (one and two column tiles), groups 32/64/128, K not a multiple of the group or of a packing block,
+N not a multiple of the row tile, bias and residual, with and without a K split. Outputs come from torch.empty,
+NaN-filled in deterministic mode, so an output the kernel never writes fails."""
 from __future__ import annotations
 
 import pytest
@@ -15,14 +15,15 @@ from paged_cases import rel_err
 
 from tokenmill.kernels import quant_ref
 from tokenmill.kernels.triton_int4_mma import MmaGemvConfig, int4_mma_gemv, supports
+from tokenmill.kernels.triton_quant import quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
 pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
 # (n, k): one tile's rows; K past the last packing block; K a whole number of g32/g64 groups but not g128;
 # Llama-3-8B's o and down projections
 SHAPES = [(16, 128), (37, 1000), (130, 4160), (4096, 4096), (4096, 14336)]
-# the default; one split (no partials); a 4-way split with 8 warps of one tile, two spans ahead; 4 tiles a warp
-CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, split_k=4, ahead=2),
+# the default; one split (no partials); a 4-way split with 8 warps of one tile; 4 tiles a warp
+CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, split_k=4),
            MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)]
 
 
@@ -36,7 +37,7 @@ def test_int4_mma_gemv(m: int, n: int, k: int, fmt: str) -> None:
     x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
     residual = torch.randn(m, n, device="cuda", generator=gen, dtype=torch.bfloat16)
-    assert supports(x, f.group(k), k)
+    assert supports(x, qw.qweight, f.group(k), k)
     plain = quant_ref.quant_linear(x.double(), qw.qweight, qw.scales, qw.mins, k, f.group(k), None)
     for cfg in CONFIGS:
         got = int4_mma_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), None, cfg)
@@ -47,22 +48,31 @@ def test_int4_mma_gemv(m: int, n: int, k: int, fmt: str) -> None:
 
 
 def test_rows_are_independent() -> None:
-    """A row's result does not depend on the other rows of the batch (each is its own column of the mma)."""
+    """Through quant_linear, with 3-D x and a residual: a row's result does not depend on how many other rows
+    share the call, from 2 to 16 (each is its own column of the mma, under one config)."""
     f = QuantFormat.parse("int4-g128")
     gen = torch.Generator(device="cuda").manual_seed(0)
     qw = quantize(torch.randn(512, 2048, device="cuda", generator=gen) * 0.05, f)
-    x = torch.randn(16, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
-    batch = int4_mma_gemv(x, qw.qweight, qw.scales, qw.mins, 2048, 128)
-    for i in (0, 5, 7, 8, 15):
-        alone = int4_mma_gemv(x[i:i + 1], qw.qweight, qw.scales, qw.mins, 2048, 128)
-        assert torch.equal(batch[i:i + 1], alone)
+    x = torch.randn(16, 1, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual = torch.randn(16, 1, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (qw.qweight, qw.scales, qw.mins, 2048, 128, None)
+    batch = quant_linear(x, *args, residual=residual)
+    assert batch.shape == (16, 1, 512)
+    want = quant_ref.quant_linear(x.double(), *args, residual=residual.double())
+    assert rel_err(batch, want) < 1e-2
+    for rows in ((0, 2), (5, 8), (7, 9), (8, 12), (14, 16)):
+        part = quant_linear(x[rows[0]:rows[1]], *args, residual=residual[rows[0]:rows[1]])
+        assert torch.equal(part, batch[rows[0]:rows[1]])
 
 
 def test_supports() -> None:
     x = torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert supports(x, 128, 4096)
-    assert not supports(x.half(), 128, 4096)  # the mma multiplies bf16
-    assert not supports(x.float(), 128, 4096)
-    assert supports(torch.zeros(16, 4096, device="cuda", dtype=torch.bfloat16), 128, 4096)
-    assert not supports(torch.zeros(17, 4096, device="cuda", dtype=torch.bfloat16), 128, 4096)  # 2 x 8 columns
-    assert not supports(torch.zeros(1, 4100, device="cuda", dtype=torch.bfloat16), 128, 4100)  # K % 8
+    w = torch.zeros(16, 2048, device="cuda", dtype=torch.uint8)
+    assert supports(x, w, 128, 4096)
+    assert supports(torch.zeros(16, 4096, device="cuda", dtype=torch.bfloat16), w, 128, 4096)
+    assert not supports(torch.zeros(17, 4096, device="cuda", dtype=torch.bfloat16), w, 128, 4096)  # 2 x 8 columns
+    assert not supports(torch.zeros(0, 4096, device="cuda", dtype=torch.bfloat16), w, 128, 4096)  # nothing to do
+    assert not supports(x.half(), w, 128, 4096)  # the mma multiplies bf16
+    assert not supports(x.float(), w, 128, 4096)
+    assert not supports(torch.zeros(1, 4100, device="cuda", dtype=torch.bfloat16), w, 128, 4100)  # K % 8
+    assert not supports(torch.zeros(1, 4097, device="cuda", dtype=torch.bfloat16)[:, 1:], w, 128, 4096)  # x's words

@@ -21,8 +21,8 @@ from tokenmill.quant.formats import QuantFormat, quantize
 from tokenmill.quant.kv_cache import kv_row_width
 
 FORMATS = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
-# one row of a wide and of a deep matrix, and 2 to 16 rows, take the tensor-core kernel for INT4 in bf16
-SHAPES = [(1, 4096, 4096), (1, 1, 32), (1, 16411, 520), (1, 1000, 2048), (3, 1000, 576), (7, 130, 1000),
+# one row of a large wide and of a large deep matrix, and 2 to 16 rows, take the tensor-core kernel for INT4 in bf16
+SHAPES = [(1, 4096, 4096), (1, 1, 32), (1, 16411, 1040), (1, 2048, 8200), (3, 1000, 576), (7, 130, 1000),
           (8, 4096, 4096), (16, 576, 1536), (17, 96, 4160), (33, 1536, 576), (64, 4095, 300), (64, 14336, 4096)]
 
 

@@ -1,6 +1,7 @@
 """GPU timings of batch-1 decode matmuls on Llama-3-8B's four projections: cuBLAS (F.linear) beside the Triton
 GEMV (triton_gemv.py) in bf16, and the quantized GEMV beside the 16-row tile kernel (triton_quant.py) in INT8
-and INT4 g128; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at four. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
+and INT4 g128; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at
+four. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
 decode (where 31 other layers pass through the 50 MB L2 between two uses of a matrix), not L2 speed.
 
     python -m tokenmill.kernels.bench_gemv --tune --out bench_results/gemv.json

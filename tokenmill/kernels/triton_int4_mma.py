@@ -47,34 +47,29 @@ class MmaGemvConfig:
     num_warps: int = 4
     programs_per_sm: int = 4
     split_k: int = 0  # 0: split K until there are about programs_per_sm programs per multiprocessor
-    ahead: int = 1  # spans (groups) loaded ahead of the one being multiplied: 1 or 2
-
-    def __post_init__(self) -> None:
-        if self.ahead not in (1, 2):
-            raise ValueError(f"MmaGemvConfig.ahead must be 1 or 2, got {self.ahead}")
 
     @property
     def block_n(self) -> int:
         return 16 * self.tiles * self.num_warps
 
 
-# Tuned on the H200 (docs/BENCHMARKS.md), INT4 g128 on Llama-3-8B's four projections. Two to eight rows: the
-# least time over a layer (72 to 76 us, against 130 to 156 for the tile kernel); 12 and 16 rows: 109 and 113
-# (163 and 170). One row: the CUDA-core GEMV
-# (triton_gemv.py) stays faster on qkv and o (8.9 and 7.2 us against 9.1 and 7.4 at best here); wide matrices
-# (gate/up: 28.2 us against 33.1) and deep ones (down: 16.3 against 17.0) come here.
+# Tuned on the H200 (docs/BENCHMARKS.md), INT4 g128 on Llama-3-8B's four projections. 2 to 16 rows: the least
+# time over a layer (72 to 76 us at 2 to 8 rows against 130 to 156 for the tile kernel; 109 and 113 at 12 and 16
+# against 163 and 170), one config for all of them, so a row's result never depends on how many others there
+# are. One row: the CUDA-core GEMV (triton_gemv.py) stays faster on qkv and o (8.9 and 7.2 us against 9.6 and
+# 7.7 here); wide matrices (gate/up: 28.3 us against 32.4) and deep ones (down: 16.3 against 17.2) come here,
+# when large enough to have been measured.
 MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)
-MMA16_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)  # 9 to 16 rows: two column tiles
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
 ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
 
 
 def default_config(m: int, n: int, k: int) -> MmaGemvConfig | None:
     """The tuned config for m rows of x and an [n, k] weight; None where one row runs faster on the GEMV."""
-    if m > 8:
-        return MMA16_CFG
     if m > 1:
         return MMA_CFG
+    if n * k < 1 << 24:
+        return None
     if n >= WIDE_N:
         return ROW_WIDE_CFG
     return ROW_DEEP_CFG if k >= 2 * n else None
@@ -274,7 +269,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
                      k_per_split, stride_w, stride_x, stride_sn,
                      GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                      SPLIT: gl.constexpr, TILES: gl.constexpr, COLS: gl.constexpr, WARPS: gl.constexpr,
-                     AHEAD: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr):
+                     PAIR: gl.constexpr, PDL: gl.constexpr):
     """x_ptr: x as 32-bit words (bf16 pairs), stride_x words a row; w_ptr: the packed weight as 32-bit words,
     stride_w a row. Program (i, j): rows [i BLOCK_N, (i + 1) BLOCK_N), inputs [j k_per_split, (j + 1) k_per_split),
     batch rows in COLS column tiles of 8 (each A fragment is multiplied by each)."""
@@ -328,24 +323,15 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
     p1 = gl.zeros([T, TILES, COLS], gl.float32, LP)
     p2 = gl.zeros([T, TILES, COLS], gl.float32, LP)
     p3 = gl.zeros([T, TILES, COLS], gl.float32, LP)
-    last = k_lo + (k_end - k_lo - 1) // GROUP * GROUP  # the last span: loads ahead of it reload it
+    last = k_lo + (k_end - k_lo - 1) // GROUP * GROUP  # the last span: the load after it reloads it
     if PDL:
         _grid_dependency(tid, True)
     nxt = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k, k_lo, K,
                      GROUP, EVEN_K)
-    if AHEAD == 2:
-        nxt2 = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k,
-                          gl.minimum(k_lo + GROUP, last), K, GROUP, EVEN_K)
-    for ks in range(k_lo, k_end, GROUP):
+    for ks in range(k_lo, k_end, GROUP):  # one span in flight while the one before is multiplied
         span = nxt
-        if AHEAD == 2:
-            nxt = nxt2
-        nxt_ahead = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k,
-                               gl.minimum(ks + AHEAD * GROUP, last), K, GROUP, EVEN_K)
-        if AHEAD == 2:
-            nxt2 = nxt_ahead
-        else:
-            nxt = nxt_ahead
+        nxt = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k,
+                         gl.minimum(ks + GROUP, last), K, GROUP, EVEN_K)
         p0, p1, p2, p3 = _span_mma(span, p0, p1, p2, p3, LB, PAIR)
     if PDL:
         _grid_dependency(tid, False)
@@ -386,11 +372,13 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
                             HAS_RESIDUAL, False)
 
 
-def supports(x: torch.Tensor, group: int, in_features: int) -> bool:
+def supports(x: torch.Tensor, qweight: torch.Tensor, group: int, in_features: int) -> bool:
     """Whether int4_mma_gemv takes this call: bf16 x of 1 to 16 rows on an sm_80+ GPU (mma.sync with bf16),
-    groups of 32, 64 or 128 and K a multiple of 8 (x is read in 16-byte pieces)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * in_features
-            and group in (32, 64, 128) and in_features % 8 == 0 and torch.version.hip is None
+    groups of 32, 64 or 128, K a multiple of 8 (a thread's x is whole 32-bit pairs) and x and the packed weight
+    at 4-byte aligned addresses (both are read as 32-bit words)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() <= MAX_ROWS * in_features
+            and group in (32, 64, 128) and in_features % 8 == 0 and x.data_ptr() % 4 == 0
+            and qweight.data_ptr() % 4 == 0 and qweight.stride(-1) == 1 and torch.version.hip is None
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
@@ -398,9 +386,9 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   in_features: int, group: int, bias: torch.Tensor | None = None,
                   config: MmaGemvConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
     """quant_linear (triton_quant.py) for INT4 weights and x of at most 16 rows (supports())."""
-    cfg = config or (MMA16_CFG if x.numel() > 8 * in_features else MMA_CFG)
     k = in_features
     n = qweight.shape[0]
+    cfg = config or default_config(x.numel() // k, n, k) or MMA_CFG
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1 or x2.stride(0) != k:
         x2 = x2.contiguous()
@@ -423,5 +411,6 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         out if residual is None else residual, out, part, counter, m, n, k, k_per_split,
         qweight.stride(0) // 4, k // 2, scales.stride(0), GROUP=group, EVEN_K=k % group == 0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, TILES=cfg.tiles,
-        WARPS=cfg.num_warps, AHEAD=cfg.ahead, COLS=triton.cdiv(m, 8), PAIR=m > 1, num_warps=cfg.num_warps, **pdl_args(x))
+        WARPS=cfg.num_warps, COLS=triton.cdiv(m, 8), PAIR=m > 1,
+        num_warps=cfg.num_warps, **pdl_args(x))
     return out.view(*x.shape[:-1], n)

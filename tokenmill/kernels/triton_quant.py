@@ -177,7 +177,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile kernel runs
     the rest (and whatever M is when a config is given)."""
     int4 = qweight.dtype == torch.uint8
-    if config is None and int4 and triton_int4_mma.supports(x, group, in_features):
+    if config is None and int4 and triton_int4_mma.supports(x, qweight, group, in_features):
         mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features)
         if mma_cfg is not None:
             return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
