@@ -201,6 +201,19 @@ def _b_pairs(x_words, LB: gl.constexpr):
 
 
 @gluon.jit
+def _a_fragment(wg, wh, ODD: gl.constexpr):
+    """The A registers of rows g and g + 8 for the even (bytes 0 and 2) or odd (bytes 1 and 3) k16 step of each
+    word, in mma order (row g low nibbles, row g + 8 low, row g high, row g + 8 high), [threads, tiles, 1, words]."""
+    if ODD:
+        lo_g, hi_g = _weights_odd(wg)
+        lo_h, hi_h = _weights_odd(wh)
+    else:
+        lo_g, hi_g = _weights_even(wg)
+        lo_h, hi_h = _weights_even(wh)
+    return gl.expand_dims(lo_g, 2), gl.expand_dims(lo_h, 2), gl.expand_dims(hi_g, 2), gl.expand_dims(hi_h, 2)
+
+
+@gluon.jit
 def _span_mma(span, p0, p1, p2, p3, LB: gl.constexpr, PAIR: gl.constexpr):
     """One span (_load_span) times x, added to the fragment registers p0..p3 ([threads, tiles, column tiles]:
     rows g, g + 8 by batch columns col, col + 1 of each column tile)."""
@@ -208,20 +221,10 @@ def _span_mma(span, p0, p1, p2, p3, LB: gl.constexpr, PAIR: gl.constexpr):
     ba_lo, bb_lo = _b_pairs(x_lo, LB)
     ba_hi, bb_hi = _b_pairs(x_hi, LB)
     o0, o1, z0, z1 = _mma_offsets(ba_lo, ba_hi, bb_lo, bb_hi)
-    lo_g, hi_g = _weights_even(wg)
-    lo_h, hi_h = _weights_even(wh)
-    lo_g = gl.expand_dims(lo_g, 2)
-    lo_h = gl.expand_dims(lo_h, 2)
-    hi_g = gl.expand_dims(hi_g, 2)
-    hi_h = gl.expand_dims(hi_h, 2)
-    c0, c1, c2, c3 = _mma_first(lo_g, lo_h, hi_g, hi_h, ba_lo, ba_hi)
-    lo_g, hi_g = _weights_odd(wg)
-    lo_h, hi_h = _weights_odd(wh)
-    lo_g = gl.expand_dims(lo_g, 2)
-    lo_h = gl.expand_dims(lo_h, 2)
-    hi_g = gl.expand_dims(hi_g, 2)
-    hi_h = gl.expand_dims(hi_h, 2)
-    c0, c1, c2, c3 = _mma(lo_g, lo_h, hi_g, hi_h, bb_lo, bb_hi, c0, c1, c2, c3)
+    a0, a1, a2, a3 = _a_fragment(wg, wh, False)
+    c0, c1, c2, c3 = _mma_first(a0, a1, a2, a3, ba_lo, ba_hi)
+    a0, a1, a2, a3 = _a_fragment(wg, wh, True)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, bb_lo, bb_hi, c0, c1, c2, c3)
     sg = gl.expand_dims(sg, 2)
     sh = gl.expand_dims(sh, 2)
     mg = gl.expand_dims(mg, 2)
