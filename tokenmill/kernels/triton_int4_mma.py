@@ -33,10 +33,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tokenmill.kernels.triton_arrive import counters
+from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import WIDE_N, num_sms
 from tokenmill.kernels.triton_pdl import pdl_args
+
+_arrive_last = gluon.jit(arrive_last.fn)  # triton_arrive.py's merge protocol, compiled as Gluon
 
 MAX_ROWS = 16  # two column tiles: the n of m16n8k16 is 8, x's rows are the columns of B
 
@@ -151,17 +154,6 @@ def _pairs(even, odd):
     return gl.inline_asm_elementwise(
         asm="prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;",
         constraints="=r,=r,r,r", args=[even, odd], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _grid_dependency(anchor, WAIT: gl.constexpr):
-    """Programmatic dependent launch (triton_pdl.py): wait for the kernels before, or let the next one start."""
-    if WAIT:
-        gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, 0;", "=r,r", [anchor], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r,r", [anchor],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -328,7 +320,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
     p3 = gl.zeros([T, TILES, COLS], gl.float32, LP)
     last = k_lo + (k_end - k_lo - 1) // GROUP * GROUP  # the last span: the load after it reloads it
     if PDL:
-        _grid_dependency(tid, True)
+        gdc_wait()
     nxt = _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k, k_lo, K,
                      GROUP, EVEN_K)
     for ks in range(k_lo, k_end, GROUP):  # one span in flight while the one before is multiplied
@@ -337,7 +329,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
                          gl.minimum(ks + GROUP, last), K, GROUP, EVEN_K)
         p0, p1, p2, p3 = _span_mma(span, p0, p1, p2, p3, LB, PAIR)
     if PDL:
-        _grid_dependency(tid, False)
+        gdc_launch_dependents()
     # fragment registers c0 and c2 hold batch column col, c1 and c3 col + 1, of column tile c
     col = gl.expand_dims((lane % 4 * 2)[:, None], 2)
     col = col + gl.expand_dims(gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(0, LP))),
@@ -353,12 +345,9 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
                     SPLIT)
         _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
                     SPLIT)
-    if SPLIT:
-        # the last split to arrive adds all partials in split order (triton_arrive.py)
-        gl.thread_barrier()
-        arrived = gl.atomic_add(counter_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == gl.num_programs(1) - 1:
-            gl.atomic_xchg(counter_ptr + gl.program_id(0), 0, sem="relaxed", scope="gpu")
+    if SPLIT:  # noqa: SIM102 (a constexpr: without a split there is no counter to touch)
+        # the last split to arrive adds all partials in split order
+        if _arrive_last(counter_ptr + gl.program_id(0), gl.num_programs(1)):
             splits = gl.num_programs(1)
             p0 = _merged(p0, rows_g, col, row_ok_g, part_ptr, M, N, splits)
             p2 = _merged(p2, rows_h, col, row_ok_h, part_ptr, M, N, splits)
