@@ -1,7 +1,8 @@
 """The tensor-core INT4 decode matmul (triton_int4_mma.py) against a float64 reference (skipped without CUDA):
 1 to 16 rows (one and two column tiles), groups 32/64/128, K not a multiple of the group or of a packing block,
-N not a multiple of the row tile, bias and residual, with and without a K split. Outputs come from torch.empty,
-NaN-filled in deterministic mode, so an output the kernel never writes fails."""
+N not a multiple of the row tile, bias and residual, with and without a K split, weights loaded to registers or
+(sm_90+) copied by TMA through a ring in shared memory. Outputs come from torch.empty, NaN-filled in
+deterministic mode, so an output the kernel never writes fails."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ pytest.importorskip("triton")
 from paged_cases import rel_err
 
 from tokenmill.kernels import quant_ref
-from tokenmill.kernels.triton_int4_mma import MmaGemvConfig, int4_mma_gemv, supports
+from tokenmill.kernels.triton_int4_mma import ROW_WIDE_TMA_CFG, MmaGemvConfig, has_tma, int4_mma_gemv, supports
 from tokenmill.kernels.triton_quant import quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
@@ -25,6 +26,9 @@ SHAPES = [(16, 128), (37, 1000), (130, 4160), (4096, 4096), (4096, 14336)]
 # the default; one split (no partials); a 4-way split with 8 warps of one tile; 4 tiles a warp
 CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, split_k=4),
            MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)]
+TMA = torch.cuda.get_device_capability()[0] >= 9
+if TMA:  # the one-row default for wide matrices; a 2-stage ring that wraps many times within a split
+    CONFIGS += [ROW_WIDE_TMA_CFG, MmaGemvConfig(tiles=1, num_warps=4, split_k=4, stages=2)]
 
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
@@ -45,6 +49,36 @@ def test_int4_mma_gemv(m: int, n: int, k: int, fmt: str) -> None:
         assert rel_err(got, plain) < 1e-2, cfg
     got = int4_mma_gemv(x, qw.qweight, qw.scales, qw.mins, k, f.group(k), bias, residual=residual)
     assert rel_err(got, plain + bias.double() + residual.double()) < 1e-2
+
+
+@pytest.mark.skipif(not TMA, reason="TMA needs sm_90+")
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k,fmt", [(300, 4104, "int4-g64"), (4096, 4096, "int4-g128"), (64, 256, "int4-g32")])
+def test_tma_ring_equals_register_loads(m: int, n: int, k: int, fmt: str) -> None:
+    """The TMA ring changes where the weights travel and which thread holds which row, not a row's sums: the
+    same tiles and split give the same bits."""
+    f = QuantFormat.parse(fmt)
+    gen = torch.Generator(device="cuda").manual_seed(m + n)
+    qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    assert has_tma(qw.qweight)
+    for cfg in (ROW_WIDE_TMA_CFG, MmaGemvConfig(tiles=4, num_warps=4, split_k=3, stages=3)):
+        args = (x, qw.qweight, qw.scales, qw.mins, k, f.group(k), None)
+        assert torch.equal(int4_mma_gemv(*args, cfg), int4_mma_gemv(*args, MmaGemvConfig(
+            tiles=cfg.tiles, num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, split_k=cfg.split_k)))
+
+
+def test_wide_row_default() -> None:
+    """A single row of a matrix wide enough for the one-row default (a TMA ring on sm_90+) through quant_linear,
+    with a residual, against float64."""
+    f = QuantFormat.parse("int4-g128")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qw = quantize(torch.randn(16384, 1024, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(1, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual = torch.randn(1, 16384, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (qw.qweight, qw.scales, qw.mins, 1024, 128, None)
+    got = quant_linear(x, *args, residual=residual)
+    assert rel_err(got, quant_ref.quant_linear(x.double(), *args, residual=residual.double())) < 1e-2
 
 
 def test_rows_are_independent() -> None:
@@ -76,3 +110,9 @@ def test_supports() -> None:
     assert not supports(x.float(), w, 128, 4096)
     assert not supports(torch.zeros(1, 4100, device="cuda", dtype=torch.bfloat16), w, 128, 4100)  # K % 8
     assert not supports(torch.zeros(1, 4097, device="cuda", dtype=torch.bfloat16)[:, 1:], w, 128, 4096)  # x's words
+    assert has_tma(w) == TMA
+    assert not has_tma(torch.zeros(16, 2064, device="cuda", dtype=torch.uint8)[:, 8:])  # the base misaligned
+    if not TMA:
+        with pytest.raises(ValueError, match="TMA"):
+            int4_mma_gemv(x, w, torch.ones(16, 32, device="cuda", dtype=torch.float16),
+                          torch.zeros(16, 32, device="cuda", dtype=torch.float16), 4096, 128, None, ROW_WIDE_TMA_CFG)

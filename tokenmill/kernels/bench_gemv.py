@@ -103,7 +103,8 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
         row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
         row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n, k=k))
         if kind == INT4:  # the tensor-core kernel at one row, and against the tile kernel at four
-            mma_cfg = triton_int4_mma.default_config(1, n, k) or triton_int4_mma.MMA_CFG
+            mma_cfg = (triton_int4_mma.default_config(1, n, k, triton_int4_mma.has_tma(qw.qweight))
+                       or triton_int4_mma.MMA_CFG)
             row(f"{fmt_name} mma", time_rotating(
                 lambda *a, cfg=mma_cfg: triton_int4_mma.int4_mma_gemv(*a, cfg), qargs), moved)
             x4 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)

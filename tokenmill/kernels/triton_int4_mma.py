@@ -33,6 +33,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenmill.kernels.triton_arrive import arrive_last, counters
@@ -50,6 +52,7 @@ class MmaGemvConfig:
     num_warps: int = 4
     programs_per_sm: int = 4
     split_k: int = 0  # 0: split K until there are about programs_per_sm programs per multiprocessor
+    stages: int = 0  # spans of weights in flight in a TMA ring in shared memory (sm_90+); 0: loads to registers
 
     @property
     def block_n(self) -> int:
@@ -60,21 +63,24 @@ class MmaGemvConfig:
 # time over a layer (72 to 76 us at 2 to 8 rows against 130 to 156 for the tile kernel; 109 and 113 at 12 and 16
 # against 163 and 170), one config for all of them, so a row's result never depends on how many others there
 # are. One row: the CUDA-core GEMV (triton_gemv.py) stays faster on qkv and o (8.9 and 7.2 us against 9.6 and
-# 7.7 here); wide matrices (gate/up: 28.3 us against 32.4) and deep ones (down: 16.3 against 17.2) come here,
-# when large enough to have been measured.
+# 7.7 here); wide matrices (gate/up: 28.3 us against 32.4; 26.1 against 30.0 with two-warp programs fed by a
+# TMA ring, where the GPU has TMA) and deep ones (down: 16.3 against 17.2) come here, when large enough to have
+# been measured. Deeper rings were slower (8 stages: 33.4 us), and the ring lost on the other shapes.
 MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
+ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=4, stages=4)
 ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
 
 
-def default_config(m: int, n: int, k: int) -> MmaGemvConfig | None:
-    """The tuned config for m rows of x and an [n, k] weight; None where one row runs faster on the GEMV."""
+def default_config(m: int, n: int, k: int, tma: bool = False) -> MmaGemvConfig | None:
+    """The tuned config for m rows of x and an [n, k] weight (tma: the weight can be read by TMA, has_tma());
+    None where one row runs faster on the GEMV."""
     if m > 1:
         return MMA_CFG
     if n * k < 1 << 24:
         return None
     if n >= WIDE_N:
-        return ROW_WIDE_CFG
+        return ROW_WIDE_TMA_CFG if tma else ROW_WIDE_CFG
     return ROW_DEEP_CFG if k >= 2 * n else None
 
 
@@ -157,13 +163,12 @@ def _pairs(even, odd):
 
 
 @gluon.jit
-def _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k, ks, K,
-               GROUP: gl.constexpr, EVEN_K: gl.constexpr):
-    """The packed words, scales and mins of rows g and g + 8, and this thread's x words (its low-nibble inputs
-    and the high-nibble ones 16 further, for each column tile), for the span (one group) at input ks. Rows past
-    N and batch rows past M were clamped to the last ones: their results are never stored. Without EVEN_K,
-    packing blocks (blk_k: a block's first input in the span) and x words (xw_k) past K read as zeros."""
-    span_w = gl.multiple_of(ks // 8, GROUP // 8)
+def _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k, ks, K, GROUP: gl.constexpr,
+               EVEN_K: gl.constexpr):
+    """The scales and mins of rows g and g + 8 and this thread's x words (its low-nibble inputs and the
+    high-nibble ones 16 further, for each column tile) for the span (one group) at input ks. Batch rows past M
+    were clamped to the last one: their results are never stored. Without EVEN_K, x words (xw_k: their first
+    inputs in the span) past K read as zeros, so whatever weights lie there add nothing."""
     grp = ks // GROUP
     sg = gl.load(s_rows_g + grp).to(gl.float32)
     sh = gl.load(s_rows_h + grp).to(gl.float32)
@@ -171,16 +176,28 @@ def _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run
     mh = gl.load(m_rows_h + grp).to(gl.float32)
     x_lo_ptr = x_run + ks // 2
     if EVEN_K:
-        wg = gl.load(w_rows_g + span_w)
-        wh = gl.load(w_rows_h + span_w)
         x_lo = gl.load(x_lo_ptr)
         x_hi = gl.load(x_lo_ptr + 8)
     else:
-        wg = gl.load(w_rows_g + span_w, mask=ks + blk_k < K, other=0)
-        wh = gl.load(w_rows_h + span_w, mask=ks + blk_k < K, other=0)
         x_lo = gl.load(x_lo_ptr, mask=ks + xw_k < K, other=0)
         x_hi = gl.load(x_lo_ptr + 8, mask=ks + xw_k + 16 < K, other=0)
-    return wg, wh, sg, sh, mg, mh, x_lo, x_hi
+    return sg, sh, mg, mh, x_lo, x_hi
+
+
+@gluon.jit
+def _load_span(w_rows_g, w_rows_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, blk_k, xw_k, ks, K,
+               GROUP: gl.constexpr, EVEN_K: gl.constexpr):
+    """_load_side and the packed words of rows g and g + 8 for the span at input ks (rows past N were clamped
+    to the last one). Without EVEN_K, packing blocks (blk_k: a block's first input in the span) past K read as
+    zeros."""
+    span_w = gl.multiple_of(ks // 8, GROUP // 8)
+    if EVEN_K:
+        wg = gl.load(w_rows_g + span_w)
+        wh = gl.load(w_rows_h + span_w)
+    else:
+        wg = gl.load(w_rows_g + span_w, mask=ks + blk_k < K, other=0)
+        wh = gl.load(w_rows_h + span_w, mask=ks + blk_k < K, other=0)
+    return (wg, wh) + _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k, ks, K, GROUP, EVEN_K)
 
 
 @gluon.jit
@@ -260,6 +277,63 @@ def _merged(val, rows, col, row_ok, part_ptr, M, N, splits):
 
 
 @gluon.jit
+def _x_words(x_ptr, M, stride_x, T: gl.constexpr, COLS: gl.constexpr, WPT: gl.constexpr, LX: gl.constexpr):
+    """Pointers to this thread's x words of a span at input 0 ([threads, column tiles, 2 WPT]: batch row g + 8 c
+    of the lane in column tile c; past M the last row, never stored), and each word's first input in a span.
+    Byte 4 t WPT of a span is the thread's first; byte b holds input 32 (b // 16) + b % 16 in its low nibble, so
+    the thread's low-nibble inputs are a run of 4 WPT from there (2 WPT words) and its high-nibble inputs the
+    run 16 further."""
+    tid_x = gl.arange(0, T, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+    lane_x = tid_x % 32
+    byte0 = lane_x % 4 * (4 * WPT)
+    x_word0 = gl.multiple_of(byte0 // 16 * 16 + byte0 % 16 // 2, 2 * WPT)
+    xw = x_word0[:, None, None] + gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 2 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, LX))), 0), 0)
+    x_col = gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+    x_batch = gl.minimum((lane_x // 4)[:, None] + x_col[None, :] * 8, M - 1).to(gl.int64)
+    return x_ptr + gl.expand_dims(x_batch * stride_x, 2) + xw, xw * 2
+
+
+@gluon.jit
+def _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N,
+            HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, SPLIT: gl.constexpr, COLS: gl.constexpr,
+            PAIR: gl.constexpr, LP: gl.constexpr):
+    """Store the fragment registers (rows g: p0, p1; rows g + 8: p2, p3), or this split's partials; the last
+    split to arrive adds all partials in split order."""
+    # fragment registers c0 and c2 hold batch column col, c1 and c3 col + 1, of column tile c
+    col = gl.expand_dims((lane % 4 * 2)[:, None], 2)
+    col = col + gl.expand_dims(gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(0, LP))),
+                                              0), 0) * 8
+    rows_g = gl.expand_dims(rows_g, 2)
+    rows_h = gl.expand_dims(rows_h, 2)
+    row_ok_g = rows_g < N
+    row_ok_h = rows_h < N
+    _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+    _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+    if PAIR:
+        _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                    SPLIT)
+        _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                    SPLIT)
+    if SPLIT:  # noqa: SIM102 (a constexpr: without a split there is no counter to touch)
+        if _arrive_last(counter_ptr + gl.program_id(0), gl.num_programs(1)):
+            splits = gl.num_programs(1)
+            p0 = _merged(p0, rows_g, col, row_ok_g, part_ptr, M, N, splits)
+            p2 = _merged(p2, rows_h, col, row_ok_h, part_ptr, M, N, splits)
+            _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                        False)
+            _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                        False)
+            if PAIR:
+                p1 = _merged(p1, rows_g, col + 1, row_ok_g, part_ptr, M, N, splits)
+                p3 = _merged(p3, rows_h, col + 1, row_ok_h, part_ptr, M, N, splits)
+                _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
+                            HAS_RESIDUAL, False)
+                _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
+                            HAS_RESIDUAL, False)
+
+
+@gluon.jit
 def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
                      k_per_split, stride_w, stride_x, stride_sn,
                      GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
@@ -267,7 +341,8 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
                      PAIR: gl.constexpr, PDL: gl.constexpr):
     """x_ptr: x as 32-bit words (bf16 pairs), stride_x words a row; w_ptr: the packed weight as 32-bit words,
     stride_w a row. Program (i, j): rows [i BLOCK_N, (i + 1) BLOCK_N), inputs [j k_per_split, (j + 1) k_per_split),
-    batch rows in COLS column tiles of 8 (each A fragment is multiplied by each)."""
+    batch rows in COLS column tiles of 8 (each A fragment is multiplied by each). Weights are loaded into
+    registers one span ahead."""
     WPT: gl.constexpr = GROUP // 32
     L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     LA: gl.constexpr = gl.SliceLayout(2, L4)  # [threads, tiles, words]: A
@@ -298,19 +373,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
     w_rows_g = w_ptr + gl.expand_dims(gl.convert_layout(load_g * stride_w, LSA), 2) + word_t
     w_rows_h = w_ptr + gl.expand_dims(gl.convert_layout(load_h * stride_w, LSA), 2) + word_t
     blk_k = (lane_a % 4 * WPT // 4 * 32)[:, None, None]  # the first input of the words' packing block (4 words)
-    # x: batch row g + 8 c of the lane in column tile c (past M: the last row, never stored). Byte 4 t WPT of a
-    # span is the thread's first; byte b holds input 32 (b // 16) + b % 16 in its low nibble, so the thread's
-    # low-nibble inputs are a run of 4 WPT from there (2 WPT words) and its high-nibble inputs the run 16 further.
-    tid_x = gl.arange(0, T, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
-    lane_x = tid_x % 32
-    byte0 = lane_x % 4 * (4 * WPT)
-    x_word0 = gl.multiple_of(byte0 // 16 * 16 + byte0 % 16 // 2, 2 * WPT)
-    xw = x_word0[:, None, None] + gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 2 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, LX))), 0), 0)
-    xw_k = xw * 2  # the first input of each x word
-    x_col = gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
-    x_batch = gl.minimum((lane_x // 4)[:, None] + x_col[None, :] * 8, M - 1).to(gl.int64)
-    x_run = x_ptr + gl.expand_dims(x_batch * stride_x, 2) + xw
+    x_run, xw_k = _x_words(x_ptr, M, stride_x, T, COLS, WPT, LX)
 
     k_lo = gl.program_id(1) * k_per_split
     k_end = gl.minimum(k_lo + k_per_split, K)
@@ -330,38 +393,87 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
         p0, p1, p2, p3 = _span_mma(span, p0, p1, p2, p3, LB, PAIR)
     if PDL:
         gdc_launch_dependents()
-    # fragment registers c0 and c2 hold batch column col, c1 and c3 col + 1, of column tile c
-    col = gl.expand_dims((lane % 4 * 2)[:, None], 2)
-    col = col + gl.expand_dims(gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(0, LP))),
-                                              0), 0) * 8
-    rows_g = gl.expand_dims(rows_g, 2)
-    rows_h = rows_g + 8
-    row_ok_g = rows_g < N
-    row_ok_h = rows_h < N
-    _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
-    _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
-    if PAIR:
-        _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                    SPLIT)
-        _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                    SPLIT)
-    if SPLIT:  # noqa: SIM102 (a constexpr: without a split there is no counter to touch)
-        # the last split to arrive adds all partials in split order
-        if _arrive_last(counter_ptr + gl.program_id(0), gl.num_programs(1)):
-            splits = gl.num_programs(1)
-            p0 = _merged(p0, rows_g, col, row_ok_g, part_ptr, M, N, splits)
-            p2 = _merged(p2, rows_h, col, row_ok_h, part_ptr, M, N, splits)
-            _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                        False)
-            _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                        False)
-            if PAIR:
-                p1 = _merged(p1, rows_g, col + 1, row_ok_g, part_ptr, M, N, splits)
-                p3 = _merged(p3, rows_h, col + 1, row_ok_h, part_ptr, M, N, splits)
-                _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
-                            HAS_RESIDUAL, False)
-                _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
-                            HAS_RESIDUAL, False)
+    _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HAS_BIAS,
+            HAS_RESIDUAL, SPLIT, COLS, PAIR, LP)
+
+
+@gluon.jit
+def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
+                         k_per_split, stride_x, stride_sn,
+                         GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         HAS_RESIDUAL: gl.constexpr, SPLIT: gl.constexpr, TILES: gl.constexpr, COLS: gl.constexpr,
+                         WARPS: gl.constexpr, PAIR: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+    """_int4_mma_kernel with the weights copied by TMA into a ring of STAGES spans in shared memory: the copies
+    in flight hold no registers. w_desc: the packed weight as 32-bit words, [BLOCK_N, GROUP / 8] a block. A
+    stage's rows map to threads as [rows g or g + 8, tiles, threads, words], so thread (w, l) of tile i reads
+    row i 8 WARPS + 8 w + l // 4 (g) and that + 8 TILES WARPS (g + 8)."""
+    WPT: gl.constexpr = GROUP // 32
+    L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+    LA: gl.constexpr = gl.SliceLayout(2, L4)
+    LB: gl.constexpr = gl.SliceLayout(1, L4)
+    LP: gl.constexpr = gl.SliceLayout(3, L4)
+    LS: gl.constexpr = gl.SliceLayout(2, LP)
+    LX: gl.constexpr = gl.BlockedLayout([1, COLS, 2 * WPT], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    T: gl.constexpr = 32 * WARPS
+    BLOCK_N: gl.constexpr = 16 * TILES * WARPS
+    SPAN_WORDS: gl.constexpr = GROUP // 8
+
+    tid = gl.arange(0, T, layout=gl.SliceLayout(1, LS))
+    lane = tid % 32
+    tile = gl.arange(0, TILES, layout=gl.SliceLayout(0, LS))
+    row0 = gl.program_id(0) * BLOCK_N
+    rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
+    rows_h = rows_g + 8 * WARPS * TILES
+    load_g = gl.minimum(rows_g, N - 1).to(gl.int64)
+    load_h = gl.minimum(rows_h, N - 1).to(gl.int64)
+    s_rows_g = s_ptr + load_g * stride_sn
+    s_rows_h = s_ptr + load_h * stride_sn
+    m_rows_g = m_ptr + load_g * stride_sn
+    m_rows_h = m_ptr + load_h * stride_sn
+    x_run, xw_k = _x_words(x_ptr, M, stride_x, T, COLS, WPT, LX)
+
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, SPAN_WORDS], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    k_lo = gl.program_id(1) * k_per_split
+    k_end = gl.minimum(k_lo + k_per_split, K)
+    n_spans = (k_end - k_lo + GROUP - 1) // GROUP
+    col0 = k_lo // 8
+    for i in gl.static_range(STAGES):
+        mbarrier.expect(bars.index(i), BLOCK_N * SPAN_WORDS * 4, pred=i < n_spans)
+        tma.async_copy_global_to_shared(w_desc, [row0, col0 + i * SPAN_WORDS], bars.index(i), ring.index(i),
+                                        pred=i < n_spans)
+    p0 = gl.zeros([T, TILES, COLS], gl.float32, LP)
+    p1 = gl.zeros([T, TILES, COLS], gl.float32, LP)
+    p2 = gl.zeros([T, TILES, COLS], gl.float32, LP)
+    p3 = gl.zeros([T, TILES, COLS], gl.float32, LP)
+    last = k_lo + (n_spans - 1) * GROUP
+    if PDL:
+        gdc_wait()
+    nxt = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k, k_lo, K, GROUP, EVEN_K)
+    for i in range(n_spans):
+        stage = i % STAGES
+        mbarrier.wait(bars.index(stage), i // STAGES % 2)
+        words = ring.index(stage)
+        wg = words.slice(0, BLOCK_N // 2)._reinterpret(gl.int32, [TILES, T, WPT], FLAT).permute([1, 0, 2]).load(LA)
+        wh = words.slice(BLOCK_N // 2, BLOCK_N // 2)._reinterpret(gl.int32, [TILES, T, WPT], FLAT).permute(
+            [1, 0, 2]).load(LA)
+        gl.thread_barrier()  # every thread has read the stage: the copy below may overwrite it
+        refill = i + STAGES < n_spans
+        mbarrier.expect(bars.index(stage), BLOCK_N * SPAN_WORDS * 4, pred=refill)
+        tma.async_copy_global_to_shared(w_desc, [row0, col0 + (i + STAGES) * SPAN_WORDS], bars.index(stage),
+                                        ring.index(stage), pred=refill)
+        side = nxt
+        nxt = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k,
+                         gl.minimum(k_lo + (i + 1) * GROUP, last), K, GROUP, EVEN_K)
+        p0, p1, p2, p3 = _span_mma((wg, wh) + side, p0, p1, p2, p3, LB, PAIR)
+    if PDL:
+        gdc_launch_dependents()
+    _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HAS_BIAS,
+            HAS_RESIDUAL, SPLIT, COLS, PAIR, LP)
 
 
 def supports(x: torch.Tensor, qweight: torch.Tensor, group: int, in_features: int) -> bool:
@@ -374,13 +486,24 @@ def supports(x: torch.Tensor, qweight: torch.Tensor, group: int, in_features: in
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
+def has_tma(qweight: torch.Tensor) -> bool:
+    """Whether the packed weight can be read by TMA copies: an NVIDIA GPU of compute capability 9.0 or later,
+    a 16-byte aligned base and rows (the copies' alignment)."""
+    return (qweight.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(qweight.device)[0] >= 9
+            and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 16 == 0)
+
+
 def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                   in_features: int, group: int, bias: torch.Tensor | None = None,
                   config: MmaGemvConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
     """quant_linear (triton_quant.py) for INT4 weights and x of at most 16 rows (supports())."""
     k = in_features
     n = qweight.shape[0]
-    cfg = config or default_config(x.numel() // k, n, k) or MMA_CFG
+    tma = has_tma(qweight)
+    cfg = config or default_config(x.numel() // k, n, k, tma) or MMA_CFG
+    if cfg.stages and not tma:
+        raise ValueError(f"MmaGemvConfig.stages={cfg.stages} reads the weight by TMA, which needs an sm_90+ NVIDIA "
+                         "GPU and a packed weight whose base and rows are 16-byte aligned")
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1 or x2.stride(0) != k:
         x2 = x2.contiguous()
@@ -398,11 +521,18 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     split = triton.cdiv(k, k_per_split)
     part = torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else out
     counter = counters(x.device, row_tiles) if split > 1 else out
-    _int4_mma_kernel[(row_tiles, split)](
-        x2.view(torch.int32), qweight.view(torch.int32), scales, mins, out if bias is None else bias,
-        out if residual is None else residual, out, part, counter, m, n, k, k_per_split,
-        qweight.stride(0) // 4, k // 2, scales.stride(0), GROUP=group, EVEN_K=k % group == 0,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, TILES=cfg.tiles,
-        WARPS=cfg.num_warps, COLS=triton.cdiv(m, 8), PAIR=m > 1,
-        num_warps=cfg.num_warps, **pdl_args(x))
+    args = (out if bias is None else bias, out if residual is None else residual, out, part, counter, m, n, k,
+            k_per_split)
+    consts = dict(GROUP=group, EVEN_K=k % group == 0, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                  SPLIT=split > 1, TILES=cfg.tiles, WARPS=cfg.num_warps, COLS=triton.cdiv(m, 8), PAIR=m > 1,
+                  num_warps=cfg.num_warps, **pdl_args(x))
+    if cfg.stages:
+        words = qweight.view(torch.int32)
+        desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [cfg.block_n, group // 8],
+                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+        _int4_mma_tma_kernel[(row_tiles, split)](x2.view(torch.int32), desc, scales, mins, *args, k // 2,
+                                                 scales.stride(0), STAGES=cfg.stages, **consts)
+    else:
+        _int4_mma_kernel[(row_tiles, split)](x2.view(torch.int32), qweight.view(torch.int32), scales, mins, *args,
+                                             qweight.stride(0) // 4, k // 2, scales.stride(0), **consts)
     return out.view(*x.shape[:-1], n)

@@ -178,7 +178,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     the rest (and whatever M is when a config is given)."""
     int4 = qweight.dtype == torch.uint8
     if config is None and int4 and triton_int4_mma.supports(x, qweight, group, in_features):
-        mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features)
+        mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features,
+                                                 triton_int4_mma.has_tma(qweight))
         if mma_cfg is not None:
             return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
                                                  residual=residual)
