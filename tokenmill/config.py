@@ -159,6 +159,7 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool = False          # schedule and launch step N+1 before reading step N's tokens
     quantization: str | None = None
+    quantize_lm_head: bool = False          # the LM head quantized with the projections (quantization at load only)
     kv_cache_dtype: str = "auto"
     speculative: str | None = None          # None | "ngram" | "draft:<model>[@<quantization>]" (docs/SPECULATIVE.md)
     num_speculative_tokens: int = 4         # most draft tokens per request per step (the adaptive rule picks fewer)

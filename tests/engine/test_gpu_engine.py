@@ -51,12 +51,12 @@ def test_gpu_greedy_equals_cpu(model_dir, cpu_tokens, kw):
     assert tokens(model_dir, device="cuda", dtype="float32", **kw) == cpu_tokens
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])  # int4: decode batches of 2..8 run the tensor-core kernel
-def test_cuda_graph_used_for_decode_and_matches_eager(model_dir, quantization):
-    eager = tokens(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8,
-                   quantization=quantization)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=8,
-              quantization=quantization)
+# int4: decode batches of 2..8 run the tensor-core kernel; with the LM head quantized it writes float32 logits
+@pytest.mark.parametrize("quant", [{}, dict(quantization="int4"), dict(quantization="int4", quantize_lm_head=True),
+                                   dict(quantization="int8", quantize_lm_head=True)], ids=str)
+def test_cuda_graph_used_for_decode_and_matches_eager(model_dir, quant):
+    eager = tokens(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8, **quant)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=8, **quant)
     assert llm.llm_engine.runner.graphs is not None and 8 in llm.llm_engine.runner.graphs.graphs
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     del llm

@@ -190,6 +190,23 @@ def test_quantized_gguf_weights(qtype: QT, tmp_path) -> None:
     assert q.qtype == qtype and q.shape == tuple(state["model.layers.0.self_attn.q_proj.weight"].shape)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1], ids=lambda q: q.name)
+def test_gguf_native_output_tensor(qtype: QT, tmp_path) -> None:
+    """quantization='gguf' keeps a quantized output tensor packed too (as llama.cpp runs it): the LM head is a
+    QuantLMHead and the logits are those of the dequantized file."""
+    from tokenmill.quant.linear import QuantLMHead
+    ref = tiny_hf_model("LlamaConfig", tie_word_embeddings=False)
+    path = str(tmp_path / f"tiny-{qtype.name}.gguf")
+    write_gguf(path, ref, "llama", qtype)
+    config = load_model_config(path)
+    native = load_model(config, path, dtype=torch.float32, quantization="gguf")
+    assert isinstance(native.lm_head, QuantLMHead) and native.lm_head.fmt.bits == (8 if qtype == QT.Q8_0 else 4)
+    dense = load_model(config, path, dtype=torch.float32)
+    ids = sample_ids()
+    torch.testing.assert_close(run_chunks(native, ids, [6, 10, 11]), run_chunks(dense, ids, [6, 10, 11]),
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def hf_gguf_model(default_model_path: str) -> torch.nn.Module:
     """transformers' own GGUF load of the file: what `from_pretrained(dir, gguf_file=...)` runs for llama

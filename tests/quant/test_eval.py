@@ -34,6 +34,21 @@ def test_evaluate_tiny(tiny_model_dir: str) -> None:
     assert r["linear_bytes"] < r["mixed"]["linear_bytes"] < r["linear_bytes_16bit"]
 
 
+def test_evaluate_with_lm_head(tiny_model_dir: str) -> None:
+    """--quantize-lm-head: the head is quantized (GPTQ on its inputs too), ranked among the projections and
+    counted in the bytes; it adds KL over the projections alone."""
+    kw = {"num_tokens": 96, "window": 48, "calibration": "gptq", "calibration_tokens": 96, "device": "cpu"}
+    fmt = QuantFormat.parse("int4-g32")
+    alone = evaluate(tiny_model_dir, fmt, per_layer=True, **kw)
+    head = evaluate(tiny_model_dir, fmt, per_layer=True, quantize_lm_head=True, **kw)
+    assert [p["module"] for p in head["per_layer"]].count("lm_head") == 1 and len(head["per_layer"]) == 9
+    assert head["kl_mean"] > alone["kl_mean"]
+    assert head["linear_bytes"] - alone["linear_bytes"] == fmt.nbytes(49152, 64)
+    assert head["linear_bytes_16bit"] - alone["linear_bytes_16bit"] == 49152 * 64 * 2
+    with pytest.raises(ValueError, match="need a weight method"):
+        evaluate(tiny_model_dir, None, "int8", quantize_lm_head=True)
+
+
 def test_gptq_beats_rounding(tiny_model_dir: str) -> None:
     """On the tiny model too, GPTQ lands closer to the float model than plain rounding."""
     kw = {"num_tokens": 96, "window": 48, "calibration_tokens": 192, "device": "cpu"}
@@ -81,8 +96,9 @@ def test_cli(tiny_model_dir: str, tmp_path, capsys) -> None:
     assert png.stat().st_size > 1000
 
     main(["quantize", "--model", tiny_model_dir, "--method", "int4", "--group-size", "32", "--calibration", "rtn",
-          "--out", str(tmp_path / "q"), "--device", "cpu"])
+          "--out", str(tmp_path / "q"), "--device", "cpu", "--quantize-lm-head"])
     assert "wrote int4-g32 model" in capsys.readouterr().out
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["lm_head"] is True
     main(["quant-eval", "--model", str(tmp_path / "q"), "--method", "none", "--kv-cache-dtype", "int8",
           "--num-tokens", "32", "--window", "32", "--device", "cpu", "--json", "-"])
     assert json.loads(capsys.readouterr().out)["method"] == "none"

@@ -11,8 +11,8 @@ import torch
 from tokenmill.model.loader import load_model, load_model_config
 from tokenmill.quant.corpus import WindowRunner
 from tokenmill.quant.formats import QuantFormat
-from tokenmill.quant.linear import QuantLinear
-from tokenmill.quant.loading import linear_modules, quantize_model
+from tokenmill.quant.linear import QuantLinear, QuantLMHead
+from tokenmill.quant.loading import linear_modules, quantizable_modules, quantize_model
 from tokenmill.quant.quantize import quantize_checkpoint
 
 CPU = torch.device("cpu")
@@ -62,7 +62,8 @@ def test_quantize_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
                               calibration="rtn", dtype="float16", device="cpu")
     with open(os.path.join(out, "config.json")) as f:
         qc = json.load(f)["quantization_config"]
-    assert qc == {"quant_method": "tokenmill", "method": "int4", "group_size": 64, "modules_to_not_convert": [skip]}
+    assert qc == {"quant_method": "tokenmill", "method": "int4", "group_size": 64, "modules_to_not_convert": [skip],
+                  "lm_head": False}
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
 
     config = load_model_config(tiny_model_dir)
@@ -79,6 +80,67 @@ def test_quantize_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
         load_model(load_model_config(out), out, quantization="int8")
     llm = LLM(out, kv_cache_memory=8 << 20)
     assert len(llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("method", ["int8", "int4-g32"])
+def test_quantized_lm_head(tiny_model_dir: str, tmp_path, method: str, tied: bool) -> None:
+    """quantize_lm_head: the head becomes a QuantLMHead (a tied one a quantized copy of the embedding, which
+    stays float), loading equals quantizing the float model's head afterwards, and the logits are what the
+    dequantized head gives."""
+    from quant_helpers import tiny_config, write_tiny_checkpoint
+
+    from tokenmill.kernels.quant_ref import quant_linear
+    path = tiny_model_dir if tied else write_tiny_checkpoint(str(tmp_path), tiny_model_dir,
+                                                             tiny_config(tie_word_embeddings=False))
+    config = load_model_config(path)
+    fmt = QuantFormat.parse(method)
+    got = load_model(config, path, quantization=method, quantize_lm_head=True)
+    head = got.lm_head
+    assert isinstance(head, QuantLMHead) and head.fmt == fmt and "lm_head" in linear_modules(got)
+    assert not isinstance(got.model.embed_tokens, QuantLinear) and got.model.embed_tokens.weight.dtype == torch.float32
+    want = load_model(config, path)
+    float_head = want.lm_head.weight.data.clone()
+    quantize_model(want, dict.fromkeys(quantizable_modules(want, lm_head=True), fmt))
+    assert torch.equal(_logprobs(got), _logprobs(want))
+    hidden = torch.randn(3, config.hidden_size)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (3, config.vocab_size)
+    assert torch.allclose(logits, quant_linear(hidden, head.weight, head.weight_scale, head.weight_min,
+                                               config.hidden_size, head.group, None), atol=1e-4)
+    exact = hidden @ float_head.T  # the rounding error stays within the format's: ~0.9% (INT8), ~12% (INT4)
+    assert (logits - exact).norm() / exact.norm() < (0.02 if fmt.bits == 8 else 0.15)
+    assert torch.equal(_logprobs(load_model(config, None, "dummy", quantization=method, quantize_lm_head=True)),
+                       _logprobs(load_model(config, None, "dummy", quantization=method, quantize_lm_head=True)))
+
+
+def test_quantized_lm_head_errors(tiny_model_dir: str, default_model_path: str, tmp_path) -> None:
+    config = load_model_config(tiny_model_dir)
+    for quantization in (None, "gguf"):
+        with pytest.raises(ValueError, match="quantize_lm_head quantizes the LM head with weights quantized at load"):
+            load_model(config, tiny_model_dir if quantization is None else default_model_path,
+                       quantization=quantization, quantize_lm_head=True)
+    out = quantize_checkpoint(tiny_model_dir, QuantFormat.parse("int8"), str(tmp_path / "q"), calibration="rtn",
+                              dtype="float16", device="cpu")
+    with pytest.raises(ValueError, match="keeps its LM head as stored"):
+        load_model(load_model_config(out), out, quantize_lm_head=True)
+
+
+def test_quantize_checkpoint_with_lm_head(tiny_model_dir: str, tmp_path) -> None:
+    """A tied model saved with its head quantized: the folder says so, writes the embedding (float) and the
+    packed head apart, and loads back bit for bit, GPTQ-calibrated head included."""
+    fmt = QuantFormat.parse("int4-g32")
+    out = quantize_checkpoint(tiny_model_dir, fmt, str(tmp_path / "q"), calibration="gptq", calibration_tokens=256,
+                              dtype="float16", device="cpu", quantize_lm_head=True)
+    with open(os.path.join(out, "config.json")) as f:
+        hf = json.load(f)
+    assert hf["quantization_config"]["lm_head"] is True and hf["tie_word_embeddings"] is True
+    got = load_model(load_model_config(out), out)
+    assert isinstance(got.lm_head, QuantLMHead) and got.lm_head.fmt == fmt
+    from safetensors import safe_open
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), got.lm_head.weight)
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float16
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])

@@ -120,13 +120,14 @@ def expected_share(model: torch.nn.Module, tp: int) -> tuple[int, int]:
     return packed, meta
 
 
-@pytest.mark.parametrize("method", ["int8", "int4-g32"])
-def test_tp2_equals_tp1_quantized(method: str, tp_model_dir: str) -> None:
-    ref = LLM(tp_model_dir, quantization=method, **ENGINE)
+@pytest.mark.parametrize("method,lm_head", [("int8", False), ("int4-g32", False), ("int4-g32", True)])
+def test_tp2_equals_tp1_quantized(method: str, lm_head: bool, tp_model_dir: str) -> None:
+    """lm_head: each rank holds its slice of the vocabulary's packed rows and the logits are gathered."""
+    ref = LLM(tp_model_dir, quantization=method, quantize_lm_head=lm_head, **ENGINE)
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, GREEDY)]
     total, share = quant_bytes(ref.llm_engine.runner), expected_share(ref.llm_engine.runner.model, 2)
     del ref
-    llm = LLM(tp_model_dir, tensor_parallel_size=2, quantization=method, **ENGINE)
+    llm = LLM(tp_model_dir, tensor_parallel_size=2, quantization=method, quantize_lm_head=lm_head, **ENGINE)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     per_rank = llm.llm_engine.collective_rpc(quant_bytes)
     assert per_rank == [share, share] and share[0] == total[0] // 2

@@ -45,6 +45,22 @@ def test_matmul_matches_twin(m: int, n: int, k: int, fmt: str, dtype: torch.dtyp
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 300, 1000), (1, 16411, 1040), (4, 300, 1000), (40, 300, 1000)])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g128"])
+def test_matmul_float32_out(m: int, n: int, k: int, fmt: str) -> None:
+    """out_dtype=float32 (a quantized LM head's logits) on each launch path (GEMV, tensor-core INT4 kernel with
+    and without its TMA ring, tile kernel): the bf16 call's values before rounding, nothing written in bf16."""
+    f = QuantFormat.parse(fmt)
+    gen = torch.Generator(device="cuda").manual_seed(m + n)
+    qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (x, qw.qweight, qw.scales, qw.mins, k, f.group(k), None)
+    got = quant_linear(*args, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.equal(got.to(torch.bfloat16), quant_linear(*args))
+    assert rel_err(got, quant_ref.quant_linear(x.double(), *args[1:])) < 1e-2
+
+
 @pytest.mark.parametrize("cfg", [SKINNY, GEMM, MatmulConfig(16, 32, 64, split_k=5), MatmulConfig(32, 64, 128, 3)])
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128"])
 def test_matmul_configs(cfg: MatmulConfig, fmt: str) -> None:

@@ -88,7 +88,8 @@ class LLMEngine:
         try:
             with self._watch_workers():
                 model = load_model(self.model_config, model_path, args.load_format, self.dtype, self.device,
-                                   seed=args.seed, quantization=args.quantization, fold_norms=True)
+                                   seed=args.seed, quantization=args.quantization, fold_norms=True,
+                                   quantize_lm_head=args.quantize_lm_head)
                 draft = load_draft(args, model_path, self.device, self.dtype) \
                     if (args.speculative or "").startswith("draft:") else None
                 self.runner = ModelRunner(model, self.model_config, args, self.device, self.dtype, max_len, eos,

@@ -49,7 +49,7 @@ def build_runner(args: EngineArgs, device: torch.device) -> ModelRunner:
     dtype = pick_dtype(args.dtype, config.torch_dtype, device)
     max_len = args.max_model_len or config.max_position_embeddings
     model = load_model(config, model_path, args.load_format, dtype, device, seed=args.seed,
-                       quantization=args.quantization, fold_norms=True)
+                       quantization=args.quantization, fold_norms=True, quantize_lm_head=args.quantize_lm_head)
     return ModelRunner(model, config, args, device, dtype, max_len, list(config.eos_token_id))
 
 

@@ -1,7 +1,8 @@
 """GPU timings of batch-1 decode matmuls on Llama-3-8B's four projections: cuBLAS (F.linear) beside the Triton
 GEMV (triton_gemv.py) in bf16, and the quantized GEMV beside the 16-row tile kernel (triton_quant.py) in INT8
 and INT4 g128; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at
-four. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
+four, and the ceiling: a kernel that only reads the packed bytes, 64 bytes of a row at a time as the INT4
+kernels do. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
 decode (where 31 other layers pass through the 50 MB L2 between two uses of a matrix), not L2 speed.
 
     python -m tokenmill.kernels.bench_gemv --tune --out bench_results/gemv.json
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from tokenmill.kernels import triton_int4_mma
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
@@ -50,6 +52,33 @@ def time_rotating(fn: Callable[..., object], args_list: list[tuple]) -> float:
     reps = len(args_list)
     it = iter(itertools.cycle(args_list))
     return median_ms(lambda: fn(*next(it)), reps=reps)
+
+
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, stride_w, k_per_split, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """XOR of [BLOCK_N, WORDS] tiles of 32-bit words along a split of each row: reads and nothing else."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + tl.arange(0, WORDS)[None, :]
+    acc = tl.zeros([BLOCK_N, WORDS], tl.int32)
+    k_lo = tl.program_id(1) * k_per_split
+    for kw in range(k_lo, k_lo + k_per_split, WORDS):
+        acc ^= tl.load(ptrs + kw)
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(acc))
+
+
+def read_ceiling(copies: list[torch.Tensor]) -> float:
+    """ms to read a packed weight ([N, bytes] with N a multiple of 32) 64 bytes of a row at a time, the best of a
+    few grids: what a kernel that does nothing with the bytes reaches."""
+    n, nbytes = copies[0].shape
+    words = [c.view(torch.int32) for c in copies]
+    best = float("inf")
+    for split in (1, 2, 4, 8):
+        if (nbytes // 4) % (16 * split):
+            continue
+        out = torch.empty(n // 32 * split, dtype=torch.int32, device=copies[0].device)
+        best = min(best, time_rotating(lambda w, split=split, out=out: _read_kernel[(n // 32, split)](
+            w, out, nbytes // 4, nbytes // 4 // split, BLOCK_N=32, WORDS=16, num_warps=8), [(w,) for w in words]))
+    return best
 
 
 def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
@@ -112,6 +141,9 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
             row(f"{fmt_name} tile, 4 rows", time_rotating(lambda *a: quant_linear(*a, pick_config(4, n, k, x.device)),
                                                           q4), moved)
             row(f"{fmt_name} mma, 4 rows", time_rotating(triton_int4_mma.int4_mma_gemv, q4), moved)
+            if n % 32 == 0:
+                row(f"{fmt_name} bytes, read only", read_ceiling([q.qweight for q in copies]),
+                    qw.qweight.numel())
         if kind in tune:
             ms, cfg = search(quant_gemv, qargs, grid(kind, dequant), kind, name, timings)
             row(f"{fmt_name} gemv best", ms, moved, cfg)

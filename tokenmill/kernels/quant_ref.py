@@ -20,10 +20,12 @@ KV_SCALE_BYTES = 4
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None, *,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias (+ residual) for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight."""
+                 residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ W.T + bias (+ residual) for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight, in out_dtype
+    (default x's)."""
     y = F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
-    return y if residual is None else y + residual
+    y = y if residual is None else y + residual
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:

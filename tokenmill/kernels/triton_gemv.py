@@ -440,8 +440,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                in_features: int, group: int, bias: torch.Tensor | None,
-               config: GemvConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+               config: GemvConfig | None = None, *, residual: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """quant_linear (triton_quant.py) for x holding one row."""
     kind = INT4 if qweight.dtype == torch.uint8 else INT8
     return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config,
-                   residual=residual)
+                   residual=residual, out_dtype=out_dtype)

@@ -495,7 +495,8 @@ def has_tma(qweight: torch.Tensor) -> bool:
 
 def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                   in_features: int, group: int, bias: torch.Tensor | None = None,
-                  config: MmaGemvConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  config: MmaGemvConfig | None = None, *, residual: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """quant_linear (triton_quant.py) for INT4 weights and x of at most 16 rows (supports())."""
     k = in_features
     n = qweight.shape[0]
@@ -512,7 +513,7 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         if residual.numel() != m * n:
             raise ValueError(f"residual has {residual.numel()} elements, the output {m * n}")
         residual = residual.reshape(m, n).contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     row_tiles = triton.cdiv(n, cfg.block_n)
     spans = triton.cdiv(k, group)
     split = cfg.split_k or triton.cdiv(cfg.programs_per_sm * num_sms(x.device.index or 0), row_tiles)

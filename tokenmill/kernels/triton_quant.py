@@ -171,26 +171,27 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None,
-                 config: MatmulConfig | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in_features] @ W.T + bias (+ residual), W packed INT8 (int8 qweight) or INT4 (uint8); same as
-    quant_ref. Without a config, INT4 with bf16 x of up to 16 rows goes to the tensor-core decode kernel
-    (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile kernel runs
-    the rest (and whatever M is when a config is given)."""
+                 config: MatmulConfig | None = None, *, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., in_features] @ W.T + bias (+ residual) in out_dtype (default x's), W packed INT8 (int8 qweight) or
+    INT4 (uint8); same as quant_ref. Without a config, INT4 with bf16 x of up to 16 rows goes to the tensor-core
+    decode kernel (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile
+    kernel runs the rest (and whatever M is when a config is given)."""
     int4 = qweight.dtype == torch.uint8
     if config is None and int4 and triton_int4_mma.supports(x, qweight, group, in_features):
         mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features,
                                                  triton_int4_mma.has_tma(qweight))
         if mma_cfg is not None:
             return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
-                                                 residual=residual)
+                                                 residual=residual, out_dtype=out_dtype)
     if config is None and x.numel() == in_features:
-        return quant_gemv(x, qweight, scales, mins, in_features, group, bias, residual=residual)
+        return quant_gemv(x, qweight, scales, mins, in_features, group, bias, residual=residual, out_dtype=out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n, k = x2.shape[0], qweight.shape[0], in_features
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
     if residual is not None:

@@ -126,14 +126,20 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; q/k/v and gate/up go into their merged layers.
-        Every parameter must be covered, else the checkpoint is reported incomplete."""
+        Every parameter must be covered, else the checkpoint is reported incomplete. A tied LM head that no
+        longer shares the embedding's parameter (quantized: quant/linear.py) loads its own lm_head.weight where
+        the checkpoint has one, else the embedding's tensor."""
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
+        tied = self.config.tie_word_embeddings and self.lm_head.weight is self.model.embed_tokens.weight
         loaded: set[str] = set()
+        embedding = None
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "model.embed_tokens.weight":
+                embedding = tensor
+            if name == "lm_head.weight" and tied:
                 continue
             module_name, _, attr = name.rpartition(".")
             shard = None
@@ -153,6 +159,9 @@ class LlamaForCausalLM(nn.Module):
                                      f"model {tuple(param.shape)}")
                 param.data.copy_(tensor)
             loaded.add(f"{module_name}.{attr}" + (f"#{shard}" if shard is not None else ""))
+        if self.config.tie_word_embeddings and not tied and "lm_head.weight" not in loaded and embedding is not None:
+            self.lm_head.load_shard("weight", embedding)
+            loaded.add("lm_head.weight")
         expected = set()
         for pname in params:
             module_name, _, attr = pname.rpartition(".")
@@ -161,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
                 expected.update(f"{pname}#{i}" for i in range(len(module.output_sizes)))
             else:
                 expected.add(pname)
-        if self.config.tie_word_embeddings:
+        if tied:
             expected.discard("lm_head.weight")
         missing = sorted(expected - loaded)
         if missing:

@@ -16,7 +16,7 @@ from tokenmill.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from tokenmill.model.hf_loader import iter_safetensors_weights, load_hf_config
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.presets import get_preset
-from tokenmill.quant.loading import linear_modules, prepare_quantized_load, quantize_model, resolve_quantization
+from tokenmill.quant.loading import prepare_quantized_load, quantizable_modules, quantize_model, resolve_quantization
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
@@ -88,16 +88,18 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def load_model(model_config: ModelConfig, model_path: str | None, load_format: str = "auto",
                dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0, quantization: str | None = None, fold_norms: bool = False) -> nn.Module:
+               seed: int = 0, quantization: str | None = None, fold_norms: bool = False,
+               quantize_lm_head: bool = False) -> nn.Module:
     """Build the model directly on `device` in `dtype`, fill its weights, and return it in eval mode.
-    Quantized projections (`quantization`, or the checkpoint's own) are swapped in before weights load.
+    Quantized projections (`quantization`, or the checkpoint's own; the LM head too with quantize_lm_head) are
+    swapped in before weights load.
     fold_norms (the engine's choice; tools that read or save the checkpoint's own layout leave it off): the
     layers' norm weights go into the projections they feed, where those are float (RMSNorm.fold_into)."""
     cls = get_model_class(model_config.architecture)
     if load_format != "dummy":
         model_path = resolve_model(model_path)
         load_format = resolve_format(model_path, load_format)
-    quant = resolve_quantization(quantization, model_path, load_format)
+    quant = resolve_quantization(quantization, model_path, load_format, quantize_lm_head)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(parse_dtype(dtype))
     try:
@@ -108,7 +110,7 @@ def load_model(model_config: ModelConfig, model_path: str | None, load_format: s
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         if quant is not None:
-            quantize_model(model, dict.fromkeys(linear_modules(model), quant.fmt))
+            quantize_model(model, dict.fromkeys(quantizable_modules(model, quant.lm_head), quant.fmt))
     elif quant is not None:
         model.load_weights(prepare_quantized_load(model, quant, model_path, load_format))
     else:

@@ -1,10 +1,10 @@
 """`tokenmill quantize` output: a Hugging Face-style folder that LLM(model=DIR) loads quantized.
 
 config.json is the model's config plus a quantization_config ({"quant_method": "tokenmill", "method",
-"group_size", "modules_to_not_convert"}); model.safetensors holds Hugging Face names with merged projections
-split back into q/k/v and gate/up, each quantized weight as `<name>.weight` (packed) + `<name>.weight_scale`
-(+ `<name>.weight_min`), unquantized tensors in the chosen 16-bit dtype; the tokenizer goes alongside
-(copied from a folder, or exported from a GGUF's vocabulary).
+"group_size", "modules_to_not_convert", "lm_head": whether lm_head.weight is packed too}); model.safetensors
+holds Hugging Face names with merged projections split back into q/k/v and gate/up, each quantized weight as
+`<name>.weight` (packed) + `<name>.weight_scale` (+ `<name>.weight_min`), unquantized tensors in the chosen 16-bit
+dtype; the tokenizer goes alongside (copied from a folder, or exported from a GGUF's vocabulary).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tokenmill.layers.linear import MergedLinear
 from tokenmill.model.llama import _STACKED
 from tokenmill.quant.formats import QuantFormat
 from tokenmill.quant.linear import QuantLinear
-from tokenmill.quant.loading import IN_FEATURES_KEY, QUANT_METHOD
+from tokenmill.quant.loading import IN_FEATURES_KEY, LM_HEAD, QUANT_METHOD
 from tokenmill.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -92,7 +92,8 @@ def save_quantized(model: nn.Module, config: ModelConfig, fmt: QuantFormat, skip
     hf = config.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     hf["quantization_config"] = {"quant_method": QUANT_METHOD, "method": f"int{fmt.bits}",
-                                 "group_size": fmt.group_size, "modules_to_not_convert": sorted(skip)}
+                                 "group_size": fmt.group_size, "modules_to_not_convert": sorted(skip),
+                                 LM_HEAD: isinstance(model.get_submodule(LM_HEAD), QuantLinear)}
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf, f, indent=2)
     save_tokenizer(tokenizer, source, out_dir)

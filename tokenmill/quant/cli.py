@@ -19,6 +19,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="gptq: calibrated on pydoc_data (slow, best); rtn: plain rounding; auto: gptq for int4, "
                         "rtn for int8 (default: %(default)s)")
     p.add_argument("--calibration-tokens", type=int, default=4096, help="GPTQ calibration tokens (default: %(default)s)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the LM head too (a tied one as a quantized copy of the embedding)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +55,7 @@ def cmd_quantize(ns: argparse.Namespace) -> None:
     from tokenmill.quant.quantize import quantize_checkpoint
     fmt = QuantFormat.parse(ns.method, ns.group_size)
     out = quantize_checkpoint(ns.model, fmt, ns.out, ns.skip, ns.calibration, ns.calibration_tokens, ns.dtype,
-                              ns.device, ns.load_format)
+                              ns.device, ns.load_format, ns.quantize_lm_head)
     print(f"wrote {fmt.name} model to {out}")
 
 
@@ -62,11 +64,12 @@ def cmd_quant_eval(ns: argparse.Namespace) -> None:
     from tokenmill.quant.report import format_report, save_plot
     fmt = None if ns.method == "none" else QuantFormat.parse(ns.method, ns.group_size)
     result = evaluate(ns.model, fmt, ns.kv_cache_dtype, ns.num_tokens, ns.window, ns.per_layer, ns.skip_top,
-                      ns.calibration, ns.calibration_tokens, ns.device, ns.dtype, ns.load_format)
+                      ns.calibration, ns.calibration_tokens, ns.device, ns.dtype, ns.load_format, ns.quantize_lm_head)
     if ns.replay:
         from tokenmill.quant.replay import load_prompts, replay
         base = {"model": ns.model, "device": ns.device, "dtype": ns.dtype, "load_format": ns.load_format}
-        quant = {**base, "quantization": fmt.name if fmt else None, "kv_cache_dtype": ns.kv_cache_dtype}
+        quant = {**base, "quantization": fmt.name if fmt else None, "kv_cache_dtype": ns.kv_cache_dtype,
+                 "quantize_lm_head": ns.quantize_lm_head}
         result["replay"] = replay(load_prompts(ns.replay), base, quant, ns.max_tokens)
     if ns.plot:
         save_plot(result, ns.plot)

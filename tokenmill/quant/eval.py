@@ -19,7 +19,7 @@ from torch import nn
 from tokenmill.quant.corpus import WindowRunner, corpus_text, corpus_windows
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight
 from tokenmill.quant.linear import to_quant_linear
-from tokenmill.quant.loading import linear_modules, replace_module
+from tokenmill.quant.loading import LM_HEAD, quantizable_modules, replace_module
 
 
 @dataclass
@@ -61,7 +61,7 @@ def compare(windows: list[list[int]], base: list[torch.Tensor],
 @contextlib.contextmanager
 def swapped(model: nn.Module, weights: dict[str, QuantizedWeight]) -> Iterator[None]:
     """The named projections replaced by QuantLinears holding `weights` for the duration, then put back."""
-    originals = {name: m for name, m in linear_modules(model).items() if name in weights}
+    originals = {name: m for name, m in quantizable_modules(model, LM_HEAD in weights).items() if name in weights}
     for name, module in originals.items():
         replace_module(model, name, to_quant_linear(module, weights[name].fmt, weights[name]))
     try:
@@ -71,10 +71,12 @@ def swapped(model: nn.Module, weights: dict[str, QuantizedWeight]) -> Iterator[N
             replace_module(model, name, module)
 
 
-def linear_bytes(model: nn.Module, quantized: dict[str, QuantFormat], float_bytes: int = 2) -> int:
-    """Bytes of every projection's weight: packed + scales where quantized, else 16-bit."""
-    return sum(quantized[name].nbytes(m.out_features, m.in_features) if name in quantized
-               else m.out_features * m.in_features * float_bytes for name, m in linear_modules(model).items())
+def linear_bytes(model: nn.Module, quantized: dict[str, QuantFormat], lm_head: bool = False,
+                 float_bytes: int = 2) -> int:
+    """Bytes of every projection's weight (and the LM head's with lm_head): packed + scales where quantized,
+    else 16-bit."""
+    return sum(quantized[name].nbytes(*m.weight.shape) if name in quantized else m.weight.numel() * float_bytes
+               for name, m in quantizable_modules(model, lm_head).items())
 
 
 def layer_sensitivity(model: nn.Module, runner: WindowRunner, windows: list[list[int]], base: list[torch.Tensor],
@@ -82,7 +84,7 @@ def layer_sensitivity(model: nn.Module, runner: WindowRunner, windows: list[list
     """Each projection quantized alone: its mean and p99 KL and top-1 agreement, most sensitive first
     (`index` keeps the model order)."""
     rows = []
-    for index, name in enumerate(linear_modules(model)):
+    for index, name in enumerate(n for n in quantizable_modules(model, LM_HEAD in weights) if n in weights):
         with swapped(model, {name: weights[name]}):
             c, _ = compare(windows, base, [runner.logprobs(w) for w in windows])
         rows.append({"module": name, "index": index, "kl_mean": c.kl_mean, "kl_p99": c.kl_p99,
@@ -93,10 +95,11 @@ def layer_sensitivity(model: nn.Module, runner: WindowRunner, windows: list[list
 def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "auto", num_tokens: int = 1024,
              window: int = 256, per_layer: bool = False, skip_top: int = 0, calibration: str = "auto",
              calibration_tokens: int = 4096, device: str = "auto", dtype: str = "auto",
-             load_format: str = "auto") -> dict:
+             load_format: str = "auto", quantize_lm_head: bool = False) -> dict:
     """Base vs quantized (weights `fmt`, None for none, quantized as `tokenmill quantize` would; KV
     `kv_cache_dtype`) over the corpus; with per_layer or skip_top, the sensitivity ranking and the mixed plan
-    keeping the skip_top worst projections in 16-bit. The fp8 KV pass folds scales into the model: it is last."""
+    keeping the skip_top worst projections in 16-bit; quantize_lm_head: the LM head is quantized (and ranked) too.
+    The fp8 KV pass folds scales into the model: it is last."""
     from tokenmill.engine.llm_engine import pick_device, pick_dtype
     from tokenmill.model.loader import load_model, load_model_config, resolve_model
     from tokenmill.quant.kv_cache import kv_cache_torch_dtype, prepare_fp8_kv
@@ -105,8 +108,8 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
 
     if fmt is None and kv_cache_dtype == "auto":
         raise ValueError("nothing to evaluate: give a weight method, a kv_cache_dtype, or both")
-    if (per_layer or skip_top) and fmt is None:
-        raise ValueError("per-layer sensitivity and --skip-top need a weight method")
+    if (per_layer or skip_top or quantize_lm_head) and fmt is None:
+        raise ValueError("per-layer sensitivity, --skip-top and --quantize-lm-head need a weight method")
     path = resolve_model(model)
     dev = pick_device(device)
     config = load_model_config(path, load_format)
@@ -117,12 +120,14 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
     net = load_model(config, path, load_format, dt, dev)
     runner = WindowRunner(net, window, dev, dt)
     base = [runner.logprobs(w) for w in windows]
-    weights = {} if fmt is None else quantize_weights(net, fmt, calibration, tokenizer, calibration_tokens)
+    weights = {} if fmt is None else quantize_weights(net, fmt, calibration, tokenizer, calibration_tokens,
+                                                      lm_head=quantize_lm_head)
     plan = {name: qw.fmt for name, qw in weights.items()}
     result: dict = {"model": path, "method": fmt.name if fmt else "none", "kv_cache_dtype": kv_cache_dtype,
                     "calibration": resolve_calibration(calibration, fmt) if fmt else None, "dtype": str(dt).removeprefix("torch."),
                     "device": str(dev), "windows": len(windows), "window": window,
-                    "linear_bytes_16bit": linear_bytes(net, {}), "linear_bytes": linear_bytes(net, plan)}
+                    "linear_bytes_16bit": linear_bytes(net, {}, quantize_lm_head),
+                    "linear_bytes": linear_bytes(net, plan, quantize_lm_head)}
     if per_layer or skip_top:
         result["per_layer"] = layer_sensitivity(net, runner, windows, base, weights)
     if skip_top:
@@ -131,7 +136,8 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
         with swapped(net, mixed):
             c, _ = compare(windows, base, [runner.logprobs(w) for w in windows])
         result["mixed"] = {"skip_top": skip_top, "kept_16bit": keep, **c.to_dict(),
-                           "linear_bytes": linear_bytes(net, {n: qw.fmt for n, qw in mixed.items()})}
+                           "linear_bytes": linear_bytes(net, {n: qw.fmt for n, qw in mixed.items()},
+                                                        quantize_lm_head)}
     with swapped(net, weights):
         if kv_dtype == torch.float8_e4m3fn:
             result["fp8_kv_scales"] = prepare_fp8_kv(net, dev, dt, config.vocab_size)

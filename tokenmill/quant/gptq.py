@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, pack_int4, quantize, round_half_away
-from tokenmill.quant.loading import linear_modules
+from tokenmill.quant.loading import LM_HEAD, quantizable_modules
 
 DAMP = 0.01     # fraction of the mean diagonal added to H: keeps the Cholesky stable
 BLOCK = 128     # columns updated lazily together
@@ -26,7 +26,8 @@ def collect_hessians(model: nn.Module, run: Callable[[list[int]], object], windo
                      names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """H = mean of x x^T over every calibration token, for the inputs of each named projection (float32,
     on the projection's device); run(ids) does one forward of the model."""
-    modules = {n: m for n, m in linear_modules(model).items() if names is None or n in names}
+    modules = {n: m for n, m in quantizable_modules(model, names is not None and LM_HEAD in names).items()
+               if names is None or n in names}
     sums: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(modules, 0)
 

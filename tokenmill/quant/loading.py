@@ -4,7 +4,11 @@ quantized checkpoints, never through float).
 
 `quantization` values: None (a checkpoint's own quantization_config, else nothing), "int8" / "int4" and
 "int8-g32" / "int4-g64" style names (quantize the float weights), "gguf" (a GGUF's Q8_0 / Q4_0 / Q4_1
-tensors as they are; its other tensors in float).
+tensors as they are, the LM head's `output` included; its other tensors in float).
+
+The LM head is quantized with the projections on request only (`quantize_lm_head`, like vLLM, which keeps it in
+16-bit unless a checkpoint says otherwise); a checkpoint says so with quantization_config.lm_head, a GGUF file
+by the type of its output tensor.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill.layers.embedding import ParallelLMHead
 from tokenmill.layers.linear import Linear
 from tokenmill.model.gguf_loader import dequantize_tensor, gguf_tensor_types, iter_gguf_raw_tensors, iter_gguf_weights
 from tokenmill.model.hf_loader import iter_safetensors_weights, read_json, safetensors_files
@@ -28,6 +33,7 @@ from tokenmill.quant.linear import QuantLinear, to_quant_linear
 QUANT_METHOD = "tokenmill"           # quantization_config.quant_method of our checkpoints
 IN_FEATURES_KEY = "tokenmill.in_features"  # safetensors metadata: JSON {weight name: in_features}
 GGUF_NATIVE = "gguf"
+LM_HEAD = "lm_head"
 
 
 @dataclass
@@ -37,6 +43,8 @@ class QuantSpec:
     source: str
     fmt: QuantFormat | None = None
     skip: frozenset[str] = field(default_factory=frozenset)   # module names kept in 16-bit
+    lm_head: bool = False                                      # the LM head quantized too (source 'float' or
+                                                               # 'checkpoint'; for 'gguf' its tensor type decides)
 
 
 def checkpoint_quant_config(model_path: str | None) -> dict | None:
@@ -46,9 +54,15 @@ def checkpoint_quant_config(model_path: str | None) -> dict | None:
     return read_json(os.path.join(model_path, "config.json"), "a Hugging Face model config").get("quantization_config")
 
 
-def resolve_quantization(quantization: str | None, model_path: str | None, load_format: str) -> QuantSpec | None:
-    """The QuantSpec of a load, validated against what the checkpoint holds."""
+def resolve_quantization(quantization: str | None, model_path: str | None, load_format: str,
+                         quantize_lm_head: bool = False) -> QuantSpec | None:
+    """The QuantSpec of a load, validated against what the checkpoint holds. quantize_lm_head applies to weights
+    quantized at load; a quantized checkpoint or GGUF file says itself whether its LM head is quantized."""
     qc = checkpoint_quant_config(model_path) if load_format in ("auto", "safetensors") else None
+    if quantize_lm_head and (qc is not None or quantization in (None, GGUF_NATIVE)):
+        raise ValueError("quantize_lm_head quantizes the LM head with weights quantized at load "
+                         "(quantization='int8' / 'int4'); a quantized checkpoint or GGUF file (quantization='gguf') "
+                         "keeps its LM head as stored")
     if qc is not None:
         if qc.get("quant_method") != QUANT_METHOD:
             raise ValueError(f"{model_path}: quantization_config.quant_method {qc.get('quant_method')!r} is not "
@@ -57,7 +71,7 @@ def resolve_quantization(quantization: str | None, model_path: str | None, load_
         if quantization is not None and QuantFormat.parse(quantization) != fmt:
             raise ValueError(f"{model_path} is already quantized as {fmt.name}; quantization={quantization!r} "
                              "does not match (leave it unset)")
-        return QuantSpec("checkpoint", fmt, frozenset(qc.get("modules_to_not_convert", [])))
+        return QuantSpec("checkpoint", fmt, frozenset(qc.get("modules_to_not_convert", [])), bool(qc.get(LM_HEAD)))
     if quantization is None:
         return None
     if quantization == GGUF_NATIVE:
@@ -65,12 +79,20 @@ def resolve_quantization(quantization: str | None, model_path: str | None, load_
             raise ValueError("quantization='gguf' keeps a GGUF file's own quantized tensors; the model is not "
                              "a GGUF file")
         return QuantSpec(GGUF_NATIVE)
-    return QuantSpec("float", QuantFormat.parse(quantization))
+    return QuantSpec("float", QuantFormat.parse(quantization), lm_head=quantize_lm_head)
 
 
 def linear_modules(model: nn.Module) -> dict[str, Linear]:
-    """Every projection of the model (merged ones included), by module name."""
+    """Every projection of the model (merged ones included, a quantized LM head too), by module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def quantizable_modules(model: nn.Module, lm_head: bool) -> dict[str, Linear | ParallelLMHead]:
+    """linear_modules, and the LM head with lm_head."""
+    modules: dict[str, Linear | ParallelLMHead] = dict(linear_modules(model))
+    if lm_head:
+        modules[LM_HEAD] = model.get_submodule(LM_HEAD)
+    return modules
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -79,9 +101,9 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, plan: dict[str, QuantFormat], from_weights: bool = True) -> None:
-    """Swap the planned projections for QuantLinears; from_weights rounds their current float weights into
-    them (else they stay empty for load_weights)."""
-    for name, module in linear_modules(model).items():
+    """Swap the planned projections (the LM head among them if planned) for QuantLinears; from_weights rounds
+    their current float weights into them (else they stay empty for load_weights)."""
+    for name, module in quantizable_modules(model, LM_HEAD in plan).items():
         if name in plan and not isinstance(module, QuantLinear):
             weight = module.weight.data if from_weights else None
             replace_module(model, name, to_quant_linear(module, plan[name], weight))
@@ -97,12 +119,13 @@ def checkpoint_module(tensor_name: str) -> tuple[str, int | None]:
 
 
 def _gguf_plan(model: nn.Module, path: str) -> dict[str, QuantFormat]:
-    """Projections whose every shard is stored in one native type of the same format."""
+    """Projections (the LM head's own output tensor too) whose every shard is stored in one native type of the
+    same format."""
     formats: dict[str, set] = {}
     for name, qtype in gguf_tensor_types(path).items():
         if name.endswith(".weight"):
             formats.setdefault(checkpoint_module(name)[0], set()).add(native_format(qtype))
-    return {name: next(iter(f)) for name in linear_modules(model)
+    return {name: next(iter(f)) for name in quantizable_modules(model, LM_HEAD in formats)
             if len(f := formats.get(name, {None})) == 1 and None not in f}
 
 
@@ -140,7 +163,7 @@ def prepare_quantized_load(model: nn.Module, spec: QuantSpec, model_path: str, l
         plan = _gguf_plan(model, model_path)
         quantize_model(model, plan, from_weights=False)
         return _iter_gguf(model_path, plan)
-    plan = {name: spec.fmt for name in linear_modules(model) if name not in spec.skip}
+    plan = {name: spec.fmt for name in quantizable_modules(model, spec.lm_head) if name not in spec.skip}
     quantize_model(model, plan, from_weights=False)
     if spec.source == "checkpoint":
         return iter_quantized_checkpoint(model_path, spec.fmt)

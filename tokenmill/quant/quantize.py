@@ -9,7 +9,7 @@ from tokenmill.config import parse_dtype
 from tokenmill.quant.checkpoint import save_quantized
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
 from tokenmill.quant.linear import to_quant_linear
-from tokenmill.quant.loading import linear_modules, replace_module
+from tokenmill.quant.loading import LM_HEAD, linear_modules, quantizable_modules, replace_module
 from tokenmill.tokenizer import Tokenizer
 
 CALIBRATIONS = ("auto", "gptq", "rtn")
@@ -24,11 +24,12 @@ def resolve_calibration(calibration: str, fmt: QuantFormat) -> str:
 
 
 def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, tokenizer: Tokenizer,
-                     calibration_tokens: int = 4096, skip: list[str] | tuple[str, ...] = ()
+                     calibration_tokens: int = 4096, skip: list[str] | tuple[str, ...] = (), lm_head: bool = False
                      ) -> dict[str, QuantizedWeight]:
-    """Every projection of a float model but `skip`, quantized: 'rtn' rounds each weight on its own (min/scale
-    fitted per group); 'gptq' also uses the layer inputs on the calibration corpus (slower, far better INT4)."""
-    names = [name for name in linear_modules(model) if name not in skip]
+    """Every projection of a float model but `skip` (and the LM head with lm_head), quantized: 'rtn' rounds each
+    weight on its own (min/scale fitted per group); 'gptq' also uses the layer inputs on the calibration corpus
+    (slower, far better INT4)."""
+    names = [name for name in quantizable_modules(model, lm_head) if name not in skip]
     if resolve_calibration(calibration, fmt) == "rtn":
         return {name: quantize(model.get_submodule(name).weight.data, fmt) for name in names}
     from tokenmill.quant.corpus import WindowRunner, calibration_windows
@@ -41,16 +42,17 @@ def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, token
 
 
 def apply_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
-    """Replace the projections for good by QuantLinears holding `weights`."""
-    for name, module in linear_modules(model).items():
+    """Replace the projections (and the LM head) for good by QuantLinears holding `weights`."""
+    for name, module in quantizable_modules(model, LM_HEAD in weights).items():
         if name in weights:
             replace_module(model, name, to_quant_linear(module, weights[name].fmt, weights[name]))
 
 
 def quantize_checkpoint(model: str | None, fmt: QuantFormat, out_dir: str, skip: list[str] | None = None,
                         calibration: str = "auto", calibration_tokens: int = 4096, dtype: str = "auto",
-                        device: str = "auto", load_format: str = "auto") -> str:
-    """Quantize every projection but `skip` to `fmt` and save; unquantized tensors are written in `dtype`
+                        device: str = "auto", load_format: str = "auto", quantize_lm_head: bool = False) -> str:
+    """Quantize every projection but `skip` (and the LM head with quantize_lm_head: a tied one becomes a
+    quantized copy of the embedding) to `fmt` and save; unquantized tensors are written in `dtype`
     ("auto": the checkpoint's 16-bit dtype, float16 when it names none, as for GGUF files)."""
     from tokenmill.engine.llm_engine import pick_device
     from tokenmill.model.loader import load_model, load_model_config, resolve_model
@@ -69,6 +71,6 @@ def quantize_checkpoint(model: str | None, fmt: QuantFormat, out_dir: str, skip:
         raise ValueError(f"--skip names no projection of this model: {unknown[:3]}; projections look like "
                          f"{next(iter(linear_modules(net)))}")
     tokenizer = load_tokenizer(path)
-    apply_weights(net, quantize_weights(net, fmt, calibration, tokenizer, calibration_tokens, skip))
+    apply_weights(net, quantize_weights(net, fmt, calibration, tokenizer, calibration_tokens, skip, quantize_lm_head))
     save_quantized(net, config, fmt, skip, tokenizer, path, out_dir, out_dtype)
     return out_dir
