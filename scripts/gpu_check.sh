@@ -82,7 +82,7 @@ bench() {
     for q in none int8 int4; do
         step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
             $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \
-            --out "$OUT_DIR/latency_$q.json"
+            $([ $q = none ] || echo quantize_lm_head=false,true) --out "$OUT_DIR/latency_$q.json"
     done
     step "latency no PDL" env TOKENMILL_PDL=0 "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 \
         --max-num-seqs 8 --async-scheduling --out "$OUT_DIR/latency_nopdl.json"  # the baseline of PDL's gain
