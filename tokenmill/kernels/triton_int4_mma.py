@@ -277,6 +277,16 @@ def _merged(val, rows, col, row_ok, part_ptr, M, N, splits):
 
 
 @gluon.jit
+def _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn):
+    """The rows a thread loads (rows past N read the last row, never stored: no masks in the loop) and pointers to
+    their scales and mins."""
+    load_g = gl.minimum(rows_g, N - 1).to(gl.int64)
+    load_h = gl.minimum(rows_h, N - 1).to(gl.int64)
+    return (load_g, load_h, s_ptr + load_g * stride_sn, s_ptr + load_h * stride_sn, m_ptr + load_g * stride_sn,
+            m_ptr + load_h * stride_sn)
+
+
+@gluon.jit
 def _x_words(x_ptr, M, stride_x, T: gl.constexpr, COLS: gl.constexpr, WPT: gl.constexpr, LX: gl.constexpr):
     """Pointers to this thread's x words of a span at input 0 ([threads, column tiles, 2 WPT]: batch row g + 8 c
     of the lane in column tile c; past M the last row, never stored), and each word's first input in a span.
@@ -359,13 +369,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
     tile = gl.arange(0, TILES, layout=gl.SliceLayout(0, LS))
     rows_g = (gl.program_id(0) * BLOCK_N + tid // 32 * (16 * TILES) + lane // 4)[:, None] + tile[None, :] * 16
     rows_h = rows_g + 8
-    # rows past N read the last row (never stored): no masks in the loop
-    load_g = gl.minimum(rows_g, N - 1).to(gl.int64)
-    load_h = gl.minimum(rows_h, N - 1).to(gl.int64)
-    s_rows_g = s_ptr + load_g * stride_sn
-    s_rows_h = s_ptr + load_h * stride_sn
-    m_rows_g = m_ptr + load_g * stride_sn
-    m_rows_h = m_ptr + load_h * stride_sn
+    load_g, load_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h = _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn)
     # this thread's words of a row: [t WPT, (t + 1) WPT) of each span's
     word = gl.arange(0, WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, LA)))
     lane_a = gl.convert_layout(lane, gl.SliceLayout(1, LSA))
@@ -425,12 +429,7 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     row0 = gl.program_id(0) * BLOCK_N
     rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
     rows_h = rows_g + 8 * WARPS * TILES
-    load_g = gl.minimum(rows_g, N - 1).to(gl.int64)
-    load_h = gl.minimum(rows_h, N - 1).to(gl.int64)
-    s_rows_g = s_ptr + load_g * stride_sn
-    s_rows_h = s_ptr + load_h * stride_sn
-    m_rows_g = m_ptr + load_g * stride_sn
-    m_rows_h = m_ptr + load_h * stride_sn
+    _, _, s_rows_g, s_rows_h, m_rows_g, m_rows_h = _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn)
     x_run, xw_k = _x_words(x_ptr, M, stride_x, T, COLS, WPT, LX)
 
     ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, SPAN_WORDS], w_desc.layout)
