@@ -85,20 +85,26 @@ def _layer_params(config: ModelConfig, tp: int) -> int:
     return n
 
 
-def weight_bytes(config: ModelConfig, weight_dtype: str, tp: int = 1, group_size: int = 128) -> int:
+def weight_bytes(config: ModelConfig, weight_dtype: str, tp: int = 1, group_size: int = 128,
+                 quantize_lm_head: bool = False) -> int:
     """One rank's weight bytes. int8 / int4 count what QuantLinear holds: packed values (INT4 rows padded to
-    32 inputs), an fp16 scale per output channel (int8) or a scale and a min per group (int4)."""
+    32 inputs), an fp16 scale per output channel (int8) or a scale and a min per group (int4); with
+    quantize_lm_head the LM head too (its own packed copy where tied; the embedding stays 16-bit)."""
     act = WEIGHT_DTYPES[compute_dtype(weight_dtype)]
     shapes = linear_shapes(config, tp)
     linear = sum(o * i for o, i in shapes)
-    if weight_dtype in ("int8", "int4"):
-        fmt = QuantFormat(8) if weight_dtype == "int8" else QuantFormat(4, group_size)
-        linear_bytes = sum(fmt.nbytes(o, i) for o, i in shapes)
-    else:
-        linear_bytes = linear * WEIGHT_DTYPES[weight_dtype]
+    quantized = weight_dtype in ("int8", "int4")
+    if quantize_lm_head and not quantized:
+        raise ValueError(f"--quantize-lm-head needs an int8 or int4 weight dtype, got {weight_dtype!r}")
+    fmt = (QuantFormat(8) if weight_dtype == "int8" else QuantFormat(4, group_size)) if quantized else None
+    linear_bytes = sum(fmt.nbytes(o, i) for o, i in shapes) if fmt else linear * WEIGHT_DTYPES[weight_dtype]
     other = _layer_params(config, tp) - linear           # norms, biases: compute dtype
-    vocab = math.ceil(config.vocab_size / tp) * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    return int(config.num_hidden_layers * (linear_bytes + other * act) + (vocab + config.hidden_size) * act)
+    vocab_rows = math.ceil(config.vocab_size / tp)
+    head = 0 if config.tie_word_embeddings else vocab_rows * config.hidden_size * act
+    if quantize_lm_head:
+        head = fmt.nbytes(vocab_rows, config.hidden_size)
+    embed = vocab_rows * config.hidden_size * act
+    return int(config.num_hidden_layers * (linear_bytes + other * act) + embed + head + config.hidden_size * act)
 
 
 def activation_bytes(config: ModelConfig, weight_dtype: str, tp: int, max_num_batched_tokens: int,
@@ -141,7 +147,7 @@ class Plan:
 def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = "auto", kv_dtype: str = "auto",
               max_model_len: int | None = None, tp: int = 1, gpu_memory_utilization: float = 0.9,
               block_size: int = 16, avg_context: int | None = None, max_num_batched_tokens: int = 2048,
-              max_num_seqs: int = 256, group_size: int = 128) -> Plan:
+              max_num_seqs: int = 256, group_size: int = 128, quantize_lm_head: bool = False) -> Plan:
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
     weight_dtype = auto_weight_dtype(config) if weight_dtype == "auto" else weight_dtype
@@ -153,7 +159,7 @@ def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = 
     max_len = max_model_len or config.max_position_embeddings
     avg = avg_context or max(1, max_len // 4)
     usable = int(memory * gpu_memory_utilization)
-    weights = weight_bytes(config, weight_dtype, tp, group_size)
+    weights = weight_bytes(config, weight_dtype, tp, group_size, quantize_lm_head)
     acts = activation_bytes(config, weight_dtype, tp, min(max_num_batched_tokens, max_len), max_num_seqs)
     per_token = kv_bytes_per_token(config, kv_dtype, tp)
     budget = max(0, usable - weights - acts)
@@ -209,6 +215,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="maximum running requests (default 256)")
     p.add_argument("--group-size", type=int, default=128, help="int4 quantization group size (default 128)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="int8 / int4: the LM head quantized too")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -217,6 +224,6 @@ def run(ns: argparse.Namespace) -> Plan:
     label, config = resolve_model_config(ns.model)
     plan = make_plan(label, config, ns.memory, ns.weight_dtype, ns.kv_dtype, ns.max_model_len, ns.tp,
                      ns.gpu_memory_utilization, ns.block_size, ns.avg_context, ns.max_num_batched_tokens,
-                     ns.max_num_seqs, ns.group_size)
+                     ns.max_num_seqs, ns.group_size, ns.quantize_lm_head)
     print(json.dumps(asdict(plan), indent=2) if ns.json else format_plan(plan, config))
     return plan

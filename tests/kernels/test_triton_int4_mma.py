@@ -112,7 +112,11 @@ def test_supports() -> None:
     assert not supports(torch.zeros(1, 4097, device="cuda", dtype=torch.bfloat16)[:, 1:], w, 128, 4096)  # x's words
     assert has_tma(w) == TMA
     assert not has_tma(torch.zeros(16, 2064, device="cuda", dtype=torch.uint8)[:, 8:])  # the base misaligned
-    if not TMA:
-        with pytest.raises(ValueError, match="TMA"):
-            int4_mma_gemv(x, w, torch.ones(16, 32, device="cuda", dtype=torch.float16),
-                          torch.zeros(16, 32, device="cuda", dtype=torch.float16), 4096, 128, None, ROW_WIDE_TMA_CFG)
+    scales = torch.ones(16, 32, device="cuda", dtype=torch.float16)
+    misaligned = torch.zeros(16 * 2048 + 4, device="cuda", dtype=torch.uint8)[4:].view(16, 2048)  # 4-byte aligned
+    assert supports(x, misaligned, 128, 4096) and not has_tma(misaligned)
+    with pytest.raises(ValueError, match="TMA"):
+        int4_mma_gemv(x, misaligned, scales, scales, 4096, 128, None, ROW_WIDE_TMA_CFG)
+    if TMA:
+        with pytest.raises(ValueError, match="at most 256 rows"):
+            int4_mma_gemv(x, w, scales, scales, 4096, 128, None, MmaGemvConfig(tiles=4, num_warps=8, stages=2))

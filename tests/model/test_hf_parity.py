@@ -110,9 +110,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: str, model: torch.nn.Module, arch: str, qtype: QT = QT.F32) -> None:
+def write_gguf(path: str, model: torch.nn.Module, arch: str, qtype: QT = QT.F32,
+               output_qtype: QT | None = None) -> None:
     """A GGUF as llama.cpp's converter writes it: gguf-py's own name map, q/k permuted for llama, matrices in
-    `qtype`, no output.weight when tied."""
+    `qtype` (the output matrix in output_qtype if given), no output.weight when tied."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads if getattr(cfg, "head_dim", None) is None else cfg.head_dim
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
@@ -139,8 +140,9 @@ def write_gguf(path: str, model: torch.nn.Module, arch: str, qtype: QT = QT.F32)
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        if data.ndim == 2 and qtype != QT.F32:
-            w.add_tensor(f"{names.get_name(base)}.{suffix}", quantize(data, qtype), raw_dtype=qtype)
+        tensor_qtype = output_qtype if output_qtype is not None and hf_name == "lm_head.weight" else qtype
+        if data.ndim == 2 and tensor_qtype != QT.F32:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", quantize(data, tensor_qtype), raw_dtype=tensor_qtype)
         else:
             w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
     w.write_header_to_file()
@@ -190,17 +192,22 @@ def test_quantized_gguf_weights(qtype: QT, tmp_path) -> None:
     assert q.qtype == qtype and q.shape == tuple(state["model.layers.0.self_attn.q_proj.weight"].shape)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1], ids=lambda q: q.name)
-def test_gguf_native_output_tensor(qtype: QT, tmp_path) -> None:
+@pytest.mark.parametrize("qtype,output_qtype", [(QT.Q8_0, None), (QT.Q4_1, None), (QT.Q4_0, None),
+                                                (QT.Q8_0, QT.F16)], ids=str)
+def test_gguf_native_output_tensor(qtype: QT, output_qtype: QT | None, tmp_path) -> None:
     """quantization='gguf' keeps a quantized output tensor packed too (as llama.cpp runs it): the LM head is a
-    QuantLMHead and the logits are those of the dequantized file."""
+    QuantLMHead, unless the file stores it in a type without a native format (F16 here), and the logits are
+    those of the dequantized file."""
     from tokenmill.quant.linear import QuantLMHead
     ref = tiny_hf_model("LlamaConfig", tie_word_embeddings=False)
     path = str(tmp_path / f"tiny-{qtype.name}.gguf")
-    write_gguf(path, ref, "llama", qtype)
+    write_gguf(path, ref, "llama", qtype, output_qtype)
     config = load_model_config(path)
     native = load_model(config, path, dtype=torch.float32, quantization="gguf")
-    assert isinstance(native.lm_head, QuantLMHead) and native.lm_head.fmt.bits == (8 if qtype == QT.Q8_0 else 4)
+    if output_qtype is None:
+        assert isinstance(native.lm_head, QuantLMHead) and native.lm_head.fmt.bits == (8 if qtype == QT.Q8_0 else 4)
+    else:
+        assert not isinstance(native.lm_head, QuantLMHead) and native.lm_head.weight.dtype == torch.float32
     dense = load_model(config, path, dtype=torch.float32)
     ids = sample_ids()
     torch.testing.assert_close(run_chunks(native, ids, [6, 10, 11]), run_chunks(dense, ids, [6, 10, 11]),

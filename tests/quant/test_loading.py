@@ -110,8 +110,10 @@ def test_quantized_lm_head(tiny_model_dir: str, tmp_path, method: str, tied: boo
                                                config.hidden_size, head.group, None), atol=1e-4)
     exact = hidden @ float_head.T  # the rounding error stays within the format's: ~0.9% (INT8), ~12% (INT4)
     assert (logits - exact).norm() / exact.norm() < (0.02 if fmt.bits == 8 else 0.15)
-    assert torch.equal(_logprobs(load_model(config, None, "dummy", quantization=method, quantize_lm_head=True)),
-                       _logprobs(load_model(config, None, "dummy", quantization=method, quantize_lm_head=True)))
+    dummy = load_model(config, None, "dummy", quantization=method, quantize_lm_head=True)
+    dummy_after = load_model(config, None, "dummy")
+    quantize_model(dummy_after, dict.fromkeys(quantizable_modules(dummy_after, lm_head=True), fmt))
+    assert isinstance(dummy.lm_head, QuantLMHead) and torch.equal(_logprobs(dummy), _logprobs(dummy_after))
 
 
 def test_quantized_lm_head_errors(tiny_model_dir: str, default_model_path: str, tmp_path) -> None:
@@ -127,20 +129,28 @@ def test_quantized_lm_head_errors(tiny_model_dir: str, default_model_path: str, 
 
 
 def test_quantize_checkpoint_with_lm_head(tiny_model_dir: str, tmp_path) -> None:
-    """A tied model saved with its head quantized: the folder says so, writes the embedding (float) and the
-    packed head apart, and loads back bit for bit, GPTQ-calibrated head included."""
+    """A tied model saved with its head quantized: the folder says so, keeps the embedding in 16-bit, and loads
+    back as the model quantized in memory (GPTQ-calibrated head included), bit for bit."""
+    from tokenmill.quant.quantize import apply_weights, quantize_weights
+    from tokenmill.tokenizer import load_tokenizer
     fmt = QuantFormat.parse("int4-g32")
     out = quantize_checkpoint(tiny_model_dir, fmt, str(tmp_path / "q"), calibration="gptq", calibration_tokens=256,
                               dtype="float16", device="cpu", quantize_lm_head=True)
     with open(os.path.join(out, "config.json")) as f:
         hf = json.load(f)
     assert hf["quantization_config"]["lm_head"] is True and hf["tie_word_embeddings"] is True
+    config = load_model_config(tiny_model_dir)
+    want = load_model(config, tiny_model_dir)
+    apply_weights(want, quantize_weights(want, fmt, "gptq", load_tokenizer(tiny_model_dir), 256, lm_head=True))
+    for p in want.parameters():   # what the folder holds: the unquantized tensors in float16
+        if p.is_floating_point():
+            p.data = p.data.half().float()
     got = load_model(load_model_config(out), out)
     assert isinstance(got.lm_head, QuantLMHead) and got.lm_head.fmt == fmt
-    from safetensors import safe_open
-    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
-        assert torch.equal(f.get_tensor("lm_head.weight"), got.lm_head.weight)
-        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float16
+    assert got.model.embed_tokens.weight is not got.lm_head.weight
+    for name in ("weight", "weight_scale", "weight_min"):
+        assert torch.equal(getattr(got.lm_head, name), getattr(want.lm_head, name)), name
+    assert torch.allclose(_logprobs(got), _logprobs(want), atol=1e-5)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
@@ -157,3 +167,14 @@ def test_engine_with_quantized_weights_and_kv(tiny_model_dir: str, kv: str) -> N
     assert alone == cached == batched and llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
     samples = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=0))[0].outputs
     assert len(samples) == 3
+
+
+def test_draft_quantized_at_load_takes_the_heads_setting(tiny_model_dir: str) -> None:
+    """A draft quantized at load ('draft:self@int4') quantizes its LM head when the engine does."""
+    from tokenmill.config import EngineArgs
+    from tokenmill.spec.draft import load_draft
+    for lm_head in (False, True):
+        args = EngineArgs(model=tiny_model_dir, quantization="int8", quantize_lm_head=lm_head,
+                          speculative="draft:self@int4")
+        draft = load_draft(args, tiny_model_dir, CPU, torch.float32)
+        assert isinstance(draft.model.lm_head, QuantLMHead) == lm_head

@@ -67,8 +67,8 @@ def _read_kernel(w_ptr, out_ptr, stride_w, k_per_split, BLOCK_N: tl.constexpr, W
 
 
 def read_ceiling(copies: list[torch.Tensor]) -> float:
-    """ms to read a packed weight ([N, bytes] with N a multiple of 32) 64 bytes of a row at a time, the best of a
-    few grids: what a kernel that does nothing with the bytes reaches."""
+    """ms to read a packed weight ([N, bytes] with N a multiple of 32 and 64-byte rows) 64 bytes of a row at a
+    time, the best of a few grids: what a kernel that does nothing with the bytes reaches."""
     n, nbytes = copies[0].shape
     words = [c.view(torch.int32) for c in copies]
     best = float("inf")
@@ -141,7 +141,7 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
             row(f"{fmt_name} tile, 4 rows", time_rotating(lambda *a: quant_linear(*a, pick_config(4, n, k, x.device)),
                                                           q4), moved)
             row(f"{fmt_name} mma, 4 rows", time_rotating(triton_int4_mma.int4_mma_gemv, q4), moved)
-            if n % 32 == 0:
+            if n % 32 == 0 and qw.qweight.shape[1] % 64 == 0:
                 row(f"{fmt_name} bytes, read only", read_ceiling([q.qweight for q in copies]),
                     qw.qweight.numel())
         if kind in tune:

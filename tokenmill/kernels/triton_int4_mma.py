@@ -504,6 +504,9 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if cfg.stages and not tma:
         raise ValueError(f"MmaGemvConfig.stages={cfg.stages} reads the weight by TMA, which needs an sm_90+ NVIDIA "
                          "GPU and a packed weight whose base and rows are 16-byte aligned")
+    if cfg.stages and cfg.block_n > 256:
+        raise ValueError(f"a TMA copy holds at most 256 rows; MmaGemvConfig with stages has {cfg.block_n} "
+                         f"(16 x tiles x num_warps)")
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1 or x2.stride(0) != k:
         x2 = x2.contiguous()

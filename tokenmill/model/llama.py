@@ -137,8 +137,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "model.embed_tokens.weight":
-                embedding = tensor
+            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not tied:
+                embedding = tensor  # for a tied head that is no longer the embedding's parameter
             if name == "lm_head.weight" and tied:
                 continue
             module_name, _, attr = name.rpartition(".")

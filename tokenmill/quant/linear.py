@@ -189,7 +189,6 @@ class QuantLMHead(QuantLinear):
     def __init__(self, head: ParallelLMHead, fmt: QuantFormat) -> None:
         super().__init__(head.weight.shape[1], head.vocab_end - head.vocab_start, False, fmt, head.weight.device,
                          head.weight.dtype, row_start=head.vocab_start)
-        self.checkpoint_shapes = dict(head.checkpoint_shapes)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if (packed := self._cpu_kernel_weight(hidden)) is not None:

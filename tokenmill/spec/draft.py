@@ -58,7 +58,7 @@ def load_draft(args: EngineArgs, target_path: str | None, device: torch.device, 
         path, load_format, preset = name, "auto", None
     config = load_model_config(path, load_format, preset)
     model = load_model(config, path, load_format, dtype, device, seed=args.seed, quantization=quant,
-                       fold_norms=True)
+                       fold_norms=True, quantize_lm_head=args.quantize_lm_head and quant not in (None, "gguf"))
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
     return DraftModel(model, config, kv_bytes_per_token(config, kv_dtype))
 
