@@ -12,7 +12,7 @@ output rows (QKV: its query heads, its KV heads or a replicated one), a row-para
 all-reducing its partial sums and adding the bias after; quant/sharding.py cuts the packed tensors.
 
 The LM head can be quantized too (QuantLMHead, on request): it is the largest single matrix a decode step reads
-(Llama-3-8B: 1.05 GB in bf16, 7% of the step), and llama.cpp's quantized files carry it quantized.
+(Llama-3-8B: 1.05 GB in bf16, 6-10% of a batch-1 step), and llama.cpp's quantized files carry it quantized.
 """
 from __future__ import annotations
 
@@ -182,8 +182,8 @@ class QuantMergedLinear(QuantLinear, MergedLinear):
 
 
 class QuantLMHead(QuantLinear):
-    """ParallelLMHead with a packed weight: this rank's slice of the vocabulary (rows vocab_start on of the
-    checkpoint's), float32 logits gathered across ranks. A tied head becomes a quantized copy of the embedding
+    """ParallelLMHead with a packed weight: this rank's slice of the vocabulary (the checkpoint's rows from
+    vocab_start on), float32 logits gathered across ranks. A tied head becomes a quantized copy of the embedding
     (the embedding itself stays in 16-bit: its lookups read one row a token)."""
 
     def __init__(self, head: ParallelLMHead, fmt: QuantFormat) -> None:
