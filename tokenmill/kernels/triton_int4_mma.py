@@ -499,7 +499,7 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     """quant_linear (triton_quant.py) for INT4 weights and x of at most 16 rows (supports())."""
     k = in_features
     n = qweight.shape[0]
-    tma = has_tma(qweight)
+    tma = (config is None or config.stages > 0) and has_tma(qweight)  # quant_linear passes its chosen config
     cfg = config or default_config(x.numel() // k, n, k, tma) or MMA_CFG
     if cfg.stages and not tma:
         raise ValueError(f"MmaGemvConfig.stages={cfg.stages} reads the weight by TMA, which needs an sm_90+ NVIDIA "

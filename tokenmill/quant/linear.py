@@ -144,19 +144,23 @@ class QuantLinear(Linear):
         if rms_eps is not None:
             raise ValueError("a norm folds only into float weights; a quantized projection takes its output")
         sharded = self.col_range is not None and tp_size() > 1  # partial sums: bias and residual follow the sum
-        bias = None if sharded else self.bias
-        fused = None if sharded else residual
-        if (packed := self._cpu_kernel_weight(x)) is not None:
-            y = cpu_quant_linear(x, packed, bias)
-            y = y if fused is None else y + fused
-        else:
-            y = self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group, bias,
-                            residual=fused)
+        y = self._product(x, None if sharded else self.bias, None if sharded else residual)
         if not sharded:
             return y
         y = all_reduce(y)
         y = y if self.bias is None else y + self.bias
         return y if residual is None else y + residual
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's x W^T + bias + residual, in out_dtype (default x's): torch's packed CPU kernel where one
+        fits, else the device's quantized matmul."""
+        if (packed := self._cpu_kernel_weight(x)) is None:
+            return self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group,
+                               bias, residual=residual, out_dtype=out_dtype)
+        y = cpu_quant_linear(x, packed, bias)
+        y = y if residual is None else y + residual
+        return y if out_dtype is None else y.to(out_dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
@@ -191,12 +195,7 @@ class QuantLMHead(QuantLinear):
                          head.weight.dtype, row_start=head.vocab_start)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if (packed := self._cpu_kernel_weight(hidden)) is not None:
-            logits = cpu_quant_linear(hidden, packed, None).float()
-        else:
-            logits = self.matmul(hidden, self.weight, self.weight_scale, self.weight_min, self.in_features,
-                                 self.group, None, out_dtype=torch.float32)
-        return all_gather_last_dim(logits)
+        return all_gather_last_dim(self._product(hidden, None, None, torch.float32))
 
 
 def to_quant_linear(module: Linear | ParallelLMHead, fmt: QuantFormat,
