@@ -50,17 +50,18 @@ def median_ms(fn: Callable[[], object], iters: int = 20, reps: int = 10, graph: 
     return statistics.median(times)
 
 
-def _paged_kv(num_seqs: int, ctx: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _paged_kv(num_seqs: int, ctx: int, block_size: int,
+              kv_dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Caches holding num_seqs contexts of ctx tokens in randomly placed blocks, and their block tables."""
     blocks = num_seqs * ctx // block_size
-    k_cache = torch.randn(blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda").to(kv_dtype)
+    v_cache = torch.randn(k_cache.shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(num_seqs, -1)
     return k_cache, v_cache, tables
 
 
-def bench_decode(num_seqs: int = 64, ctx: int = 4096, block_size: int = 16) -> dict:
-    k_cache, v_cache, tables = _paged_kv(num_seqs, ctx, block_size)
+def bench_decode(num_seqs: int = 64, ctx: int = 4096, block_size: int = 16, kv_dtype: torch.dtype = DTYPE) -> dict:
+    k_cache, v_cache, tables = _paged_kv(num_seqs, ctx, block_size, kv_dtype)
     q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
@@ -68,7 +69,8 @@ def bench_decode(num_seqs: int = 64, ctx: int = 4096, block_size: int = 16) -> d
     ms = median_ms(lambda: triton_ops.paged_attention(*args))
     ref_ms = median_ms(lambda: torch_ref.paged_attention(*args), iters=5, graph=False)
     kv_bytes = 2 * num_seqs * ctx * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
-    return _row(f"paged_attention decode (block {block_size})", f"{num_seqs} seqs x {ctx} ctx", ms, ref_ms,
+    cache = "" if kv_dtype == DTYPE else ", e4m3 KV" if kv_dtype == torch.float8_e4m3fn else f", {kv_dtype} KV"
+    return _row(f"paged_attention decode (block {block_size}{cache})", f"{num_seqs} seqs x {ctx} ctx", ms, ref_ms,
                 bytes_moved=kv_bytes)
 
 
@@ -138,12 +140,12 @@ def _row(kernel: str, shape: str, ms: float, ref_ms: float, bytes_moved: int = 0
 
 
 def _print_table(rows: list[dict]) -> None:
-    print(f"{'kernel':<34} {'shape':<30} {'us':>9} {'GB/s':>8} {'%HBM':>6} {'TFLOP/s':>8} {'ref us':>9} {'x ref':>6}")
+    print(f"{'kernel':<44} {'shape':<30} {'us':>9} {'GB/s':>8} {'%HBM':>6} {'TFLOP/s':>8} {'ref us':>9} {'x ref':>6}")
     for r in rows:
         gbs = f"{r['GB/s']:.0f}" if "GB/s" in r else "-"
         pct = f"{r['pct_of_hbm']:.0f}" if "pct_of_hbm" in r else "-"
         tf = f"{r['TFLOP/s']:.0f}" if "TFLOP/s" in r else "-"
-        print(f"{r['kernel']:<34} {r['shape']:<30} {r['us']:>9.1f} {gbs:>8} {pct:>6} {tf:>8} "
+        print(f"{r['kernel']:<44} {r['shape']:<30} {r['us']:>9.1f} {gbs:>8} {pct:>6} {tf:>8} "
               f"{r['ref_us']:>9.1f} {r['speedup']:>6.1f}")
 
 
@@ -154,7 +156,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     torch.manual_seed(0)
-    rows = [bench_decode(), bench_decode(block_size=32), bench_prefill()]
+    fp8 = torch.float8_e4m3fn
+    rows = [bench_decode(), bench_decode(block_size=32), bench_decode(kv_dtype=fp8), bench_decode(256, 1024),
+            bench_decode(256, 1024, kv_dtype=fp8), bench_prefill()]
     rows += bench_elementwise(8192) + bench_elementwise(64)
     _print_table(rows)
     if args.out:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import triton_fp8_decode
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import num_sms
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
@@ -245,7 +246,11 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Split each context into fixed partitions (count from static shapes only: graph-capturable), attend per
     partition, and merge with a logsumexp-weighted reduce in the same launch; a sequence whose context fits one
-    partition skips the partial buffers and the merge, whatever the batch's table width."""
+    partition skips the partial buffers and the merge, whatever the batch's table width. An e4m3 cache goes to
+    triton_fp8_decode where it supports the shapes."""
+    if triton_fp8_decode.supports(q, k_cache):
+        triton_fp8_decode.fp8_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out)
+        return
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
