@@ -116,6 +116,26 @@ def test_quantized_lm_head(tiny_model_dir: str, tmp_path, method: str, tied: boo
     assert isinstance(dummy.lm_head, QuantLMHead) and torch.equal(_logprobs(dummy), _logprobs(dummy_after))
 
 
+def test_tied_head_ignores_a_stored_lm_head_weight(tiny_model_dir: str, tmp_path) -> None:
+    """A tied config whose file also holds a (different) lm_head.weight: the head is the embedding, float or
+    quantized at load, as transformers ties it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    stray = str(tmp_path / "stray")
+    shutil.copytree(tiny_model_dir, stray)
+    tensors = load_file(os.path.join(stray, "model.safetensors"))
+    assert "lm_head.weight" not in tensors
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = torch.randn_like(embedding)
+    save_file(tensors, os.path.join(stray, "model.safetensors"))
+    config = load_model_config(stray)
+    assert config.tie_word_embeddings
+    for kw in ({}, dict(quantization="int8", quantize_lm_head=True)):
+        got, want = load_model(config, stray, **kw), load_model(config, tiny_model_dir, **kw)
+        assert torch.equal(_logprobs(got), _logprobs(want)), kw
+
+
 def test_quantized_lm_head_errors(tiny_model_dir: str, default_model_path: str, tmp_path) -> None:
     config = load_model_config(tiny_model_dir)
     for quantization in (None, "gguf"):

@@ -127,8 +127,9 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; q/k/v and gate/up go into their merged layers.
         Every parameter must be covered, else the checkpoint is reported incomplete. A tied LM head that no
-        longer shares the embedding's parameter (quantized: quant/linear.py) loads its own lm_head.weight where
-        the checkpoint has one, else the embedding's tensor."""
+        longer shares the embedding's parameter (quantized: quant/linear.py) loads the embedding's tensor, or the
+        quantized head a `tokenmill quantize` folder stores (calibrated on its own inputs); a float lm_head.weight
+        beside a tied config is ignored, as transformers ties it over whatever the file holds."""
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         tied = self.config.tie_word_embeddings and self.lm_head.weight is self.model.embed_tokens.weight
@@ -139,8 +140,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not tied:
                 embedding = tensor  # for a tied head that is no longer the embedding's parameter
-            if name == "lm_head.weight" and tied:
-                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings and (
+                    tied or isinstance(tensor, torch.Tensor)):
+                continue  # a tied head is the embedding, as in transformers, whatever else the file stores
             module_name, _, attr = name.rpartition(".")
             shard = None
             for ckpt, merged, idx in _STACKED:
