@@ -91,8 +91,13 @@ def test_short_prefills_compile_no_attention_kernel_after_startup(model_dir):
     assert not [c for c in compiled if c.startswith("_prefill_kernel")], compiled
 
 
-def test_fp8_kv_cache_graphs_match_eager():
-    """An e4m3 KV cache at head dim 128 (triton_fp8_decode's kernel): CUDA-graph decode gives eager's tokens."""
+def test_fp8_kv_cache_graphs_match_eager(monkeypatch):
+    """An e4m3 KV cache at head dim 128 decodes with triton_fp8_decode's kernel, and CUDA-graph decode gives eager's
+    tokens."""
+    from tokenmill.kernels import triton_fp8_decode
+    calls = []
+    kernel = triton_fp8_decode.fp8_decode
+    monkeypatch.setattr(triton_fp8_decode, "fp8_decode", lambda *args: calls.append(1) or kernel(*args))
     kw = dict(load_format="dummy", model_preset="qwen3-0.6b", device="cuda", dtype="bfloat16", max_model_len=512,
               max_num_seqs=8, kv_cache_dtype="fp8", skip_tokenizer_init=True)
     llm = LLM(enforce_eager=True, **kw)
@@ -104,4 +109,4 @@ def test_fp8_kv_cache_graphs_match_eager():
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     del llm
     release()
-    assert graphed == eager
+    assert graphed == eager and calls

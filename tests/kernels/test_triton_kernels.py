@@ -109,17 +109,20 @@ def test_short_block_table_stays_in_bounds() -> None:
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("table_width", [4, 40])  # one partition, several partitions
-def test_decode_cuda_graph_replay_matches_eager(table_width: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [BF16, pytest.param(torch.float8_e4m3fn, marks=pytest.mark.skipif(
+    torch.cuda.get_device_capability() < (8, 9), reason="e4m3 conversions need sm_89 or later"))], ids=_ids)
+@pytest.mark.parametrize("table_width", [4, 80])  # one partition, several partitions
+def test_decode_cuda_graph_replay_matches_eager(table_width: int, kv_dtype: torch.dtype) -> None:
+    """Contexts grown after capture read slots the case never wrote (finite garbage), the same way in both runs."""
     case = make_case([60, 33, 17], [1, 1, 1], 32, 8, 128, 16, BF16, "cuda", seed=7, table_width=table_width)
-    args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables,
-            case.scale, 1)
+    args = (case.q, case.k_cache.to(kv_dtype), case.v_cache.to(kv_dtype), case.query_start_loc, case.seq_lens,
+            case.block_tables, case.scale, 1)
     triton_ops.paged_attention(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_ops.paged_attention(*args)
-    longer = [[600, 300, 17], [640, 257, 256]] if table_width > 4 else []  # partitions merged in the graph
+    longer = [[1200, 300, 17], [1280, 513, 256]] if table_width > 4 else []  # partitions merged in the graph
     for seq_lens in [[60, 33, 17], [5, 64, 1], *longer]:
         case.seq_lens.copy_(torch.tensor(seq_lens))
         case.q.copy_(torch.randn_like(case.q))

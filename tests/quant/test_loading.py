@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tokenmill.model.loader import load_model, load_model_config
 from tokenmill.quant.corpus import WindowRunner
@@ -119,9 +121,6 @@ def test_quantized_lm_head(tiny_model_dir: str, tmp_path, method: str, tied: boo
 def test_tied_head_ignores_a_stored_lm_head_weight(tiny_model_dir: str, tmp_path) -> None:
     """A tied config whose file also holds a (different) lm_head.weight: the head is the embedding, float or
     quantized at load, as transformers ties it."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     stray = str(tmp_path / "stray")
     shutil.copytree(tiny_model_dir, stray)
     tensors = load_file(os.path.join(stray, "model.safetensors"))

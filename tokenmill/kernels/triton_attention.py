@@ -248,7 +248,7 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     partition, and merge with a logsumexp-weighted reduce in the same launch; a sequence whose context fits one
     partition skips the partial buffers and the merge, whatever the batch's table width. An e4m3 cache goes to
     triton_fp8_decode where it supports the shapes."""
-    if triton_fp8_decode.supports(q, k_cache):
+    if triton_fp8_decode.supports(q, k_cache, v_cache):
         triton_fp8_decode.fp8_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out)
         return
     num_seqs, num_heads, head_dim = q.shape

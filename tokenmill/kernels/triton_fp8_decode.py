@@ -33,8 +33,9 @@ from tokenmill.kernels.triton_pdl import pdl_args
 _arrive_last = gluon.jit(arrive_last.fn)
 _LOG2E = 1.4426950408889634
 
-RESCALE_LOG2 = gl.constexpr(8.0)  # see the loop of _fp8_decode_kernel
-CHUNK = gl.constexpr(16)  # tokens a loop step: two n8 tiles of Q K^T, one k16 step of P V
+RESCALE_LOG2 = gl.constexpr(8.0)  # see _step
+CHUNK_TOKENS = 16  # tokens a loop step: two n8 tiles of S^T, one k16 step of O^T
+CHUNK = gl.constexpr(CHUNK_TOKENS)
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads a KV head: the 8 columns of the mma
 # Longest partition in tokens, halved while a batch has fewer than programs_per_sm one-warp programs a
@@ -161,8 +162,8 @@ def _merge(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, base, n_valid, HEAD_DI
     LM: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 32], [1, 32], [1, 1], [1, 0])
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LM))
     offs_p = gl.arange(0, P_CHUNK, layout=gl.SliceLayout(1, LM))
-    m_run = gl.max(gl.full([P_CHUNK], float("-inf"), gl.float32, gl.SliceLayout(1, LM)), 0)
-    total = gl.sum(gl.zeros([P_CHUNK], gl.float32, gl.SliceLayout(1, LM)), 0)
+    m_run = float("-inf")
+    total = 0.0
     acc = gl.zeros([HEAD_DIM], gl.float32, gl.SliceLayout(0, LM))
     for p0 in range(0, n_valid, P_CHUNK):
         offs_c = p0 + offs_p
@@ -295,7 +296,7 @@ def _step(kw, vw, c, end, g, qb0, qb1, scale_log2, m0, m1, l0, l1, o00, o01, o02
     return m0, m1, l0, l1, o00, o01, o02, o03, o10, o11, o12, o13
 
 
-@gluon.jit(do_not_specialize=("stride_bt", "table_cols"))  # triton_attention.VARYING_ARGS: no compile a width
+@gluon.jit(do_not_specialize=("stride_bt", "table_cols"))  # as triton_attention.VARYING_ARGS: one compile, any width
 def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, counter_ptr,
                        seq_lens_ptr, block_tables_ptr, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
@@ -309,8 +310,8 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
     LK: gl.constexpr = gl.BlockedLayout([1, S, 2], [32, 1, 1], [1, 1, 1], [1, 2, 0])  # [lanes, steps, key g | g + 8]
     LQ: gl.constexpr = gl.SliceLayout(2, LK)  # [lanes, steps]
     LL: gl.constexpr = gl.SliceLayout(1, LQ)  # [lanes]
-    LV: gl.constexpr = gl.BlockedLayout([1, W, 2, 2], [32, 1, 1, 1], [1, 1, 1, 1], [1, 3, 2, 0])  # [lanes, words,
-    # tokens 2t | 2t + 8, + 0 | + 1]
+    # [lanes, words, tokens 2t | 2t + 8, + 0 | + 1]: V
+    LV: gl.constexpr = gl.BlockedLayout([1, W, 2, 2], [32, 1, 1, 1], [1, 1, 1, 1], [1, 3, 2, 0])
     LW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [1, 1], [1, 0])  # [lanes, words]: accumulators
     LWL: gl.constexpr = gl.SliceLayout(1, LW)
     if PDL:
@@ -323,6 +324,8 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
     # PARTITION) programs arrive at the merge
     ctx = gl.minimum(gl.load(seq_lens_ptr + seq), num_parts * PARTITION)
     start = part * PARTITION
+    if (start >= ctx) & (part > 0):
+        return  # the grid covers the longest context the table holds; this partition has nothing to read
     end = gl.minimum(start + PARTITION, ctx)
 
     lane = gl.arange(0, 32, layout=LL)
@@ -388,63 +391,63 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
         state = _step(nxt[0], nxt[1], c + CHUNK, end, g, qb0, qb1, scale_log2, *state, S, LL, LQ, LW, LWL)
     m0, m1, l0, l1, o00, o01, o02, o03, o10, o11, o12, o13 = state
 
-    if (start < ctx) | (part == 0):
-        split = ctx > PARTITION
-        lane_w = gl.arange(0, 32, layout=LWL)
-        t_w = lane_w % 4
-        # column e of lane (g, t): head 2t + e; row g of tile 2i + h: d = g D/8 + 4i + 2h (row g + 8: + 1)
-        head0 = kv_head * GROUP + t_w * 2
-        ok0 = gl.expand_dims(t_w * 2 < GROUP, 1)
-        ok1 = gl.expand_dims(t_w * 2 + 1 < GROUP, 1)
-        tot0 = gl.convert_layout(_col_sum(l0), LWL, assert_trivial=True)
-        tot1 = gl.convert_layout(_col_sum(l1), LWL, assert_trivial=True)
-        d = gl.expand_dims(lane_w // 4 * (HEAD_DIM // 8), 1) + gl.expand_dims(
-            gl.arange(0, W, layout=gl.SliceLayout(0, LW)), 0) * 4
-        out0 = gl.expand_dims(out_ptr + seq.to(gl.int64) * stride_ot + head0 * stride_oh, 1)
-        out1 = out0 + stride_oh
-        row0 = (seq * num_heads + head0).to(gl.int64) * num_parts + part
-        row1 = row0 + num_parts
-        part0 = gl.expand_dims(part_out_ptr + row0 * HEAD_DIM, 1)
-        part1 = gl.expand_dims(part_out_ptr + row1 * HEAD_DIM, 1)
-        if split:
-            first = lane_w // 4 == 0
-            gl.store(part_m_ptr + row0, gl.convert_layout(m0, LWL, assert_trivial=True), mask=first & (t_w * 2 < GROUP))
-            gl.store(part_m_ptr + row1, gl.convert_layout(m1, LWL, assert_trivial=True),
-                     mask=first & (t_w * 2 + 1 < GROUP))
-            gl.store(part_l_ptr + row0, tot0, mask=first & (t_w * 2 < GROUP))
-            gl.store(part_l_ptr + row1, tot1, mask=first & (t_w * 2 + 1 < GROUP))
-        tot0 = gl.expand_dims(tot0, 1)
-        tot1 = gl.expand_dims(tot1, 1)
-        _store_cols(o00, d, ok0, out0, part0, tot0, split)
-        _store_cols(o01, d, ok1, out1, part1, tot1, split)
-        _store_cols(o02, d + 1, ok0, out0, part0, tot0, split)
-        _store_cols(o03, d + 1, ok1, out1, part1, tot1, split)
-        _store_cols(o10, d + 2, ok0, out0, part0, tot0, split)
-        _store_cols(o11, d + 2, ok1, out1, part1, tot1, split)
-        _store_cols(o12, d + 3, ok0, out0, part0, tot0, split)
-        _store_cols(o13, d + 3, ok1, out1, part1, tot1, split)
-        if split:
-            if _arrive_last(counter_ptr + seq * num_kv_heads + kv_head, gl.cdiv(ctx, PARTITION)):
-                for hg in gl.static_range(GROUP):
-                    head = kv_head * GROUP + hg
-                    _merge(part_out_ptr, part_m_ptr, part_l_ptr,
-                           out_ptr + seq.to(gl.int64) * stride_ot + head * stride_oh,
-                           (seq * num_heads + head).to(gl.int64) * num_parts, gl.cdiv(ctx, PARTITION), HEAD_DIM,
-                           P_CHUNK)
+    split = ctx > PARTITION
+    lane_w = gl.arange(0, 32, layout=LWL)
+    t_w = lane_w % 4
+    # column e of lane (g, t): head 2t + e; row g of tile 2i + h: d = g D/8 + 4i + 2h (row g + 8: + 1)
+    head0 = kv_head * GROUP + t_w * 2
+    ok0 = gl.expand_dims(t_w * 2 < GROUP, 1)
+    ok1 = gl.expand_dims(t_w * 2 + 1 < GROUP, 1)
+    tot0 = gl.convert_layout(_col_sum(l0), LWL, assert_trivial=True)
+    tot1 = gl.convert_layout(_col_sum(l1), LWL, assert_trivial=True)
+    d = gl.expand_dims(lane_w // 4 * (HEAD_DIM // 8), 1) + gl.expand_dims(
+        gl.arange(0, W, layout=gl.SliceLayout(0, LW)), 0) * 4
+    out0 = gl.expand_dims(out_ptr + seq.to(gl.int64) * stride_ot + head0 * stride_oh, 1)
+    out1 = out0 + stride_oh
+    row0 = (seq * num_heads + head0).to(gl.int64) * num_parts + part
+    row1 = row0 + num_parts
+    part0 = gl.expand_dims(part_out_ptr + row0 * HEAD_DIM, 1)
+    part1 = gl.expand_dims(part_out_ptr + row1 * HEAD_DIM, 1)
+    if split:
+        first = lane_w // 4 == 0
+        gl.store(part_m_ptr + row0, gl.convert_layout(m0, LWL, assert_trivial=True), mask=first & (t_w * 2 < GROUP))
+        gl.store(part_m_ptr + row1, gl.convert_layout(m1, LWL, assert_trivial=True), mask=first & (t_w * 2 + 1 < GROUP))
+        gl.store(part_l_ptr + row0, tot0, mask=first & (t_w * 2 < GROUP))
+        gl.store(part_l_ptr + row1, tot1, mask=first & (t_w * 2 + 1 < GROUP))
+    tot0 = gl.expand_dims(tot0, 1)
+    tot1 = gl.expand_dims(tot1, 1)
+    _store_cols(o00, d, ok0, out0, part0, tot0, split)
+    _store_cols(o01, d, ok1, out1, part1, tot1, split)
+    _store_cols(o02, d + 1, ok0, out0, part0, tot0, split)
+    _store_cols(o03, d + 1, ok1, out1, part1, tot1, split)
+    _store_cols(o10, d + 2, ok0, out0, part0, tot0, split)
+    _store_cols(o11, d + 2, ok1, out1, part1, tot1, split)
+    _store_cols(o12, d + 3, ok0, out0, part0, tot0, split)
+    _store_cols(o13, d + 3, ok1, out1, part1, tot1, split)
+    if split:
+        if _arrive_last(counter_ptr + seq * num_kv_heads + kv_head, gl.cdiv(ctx, PARTITION)):
+            for hg in gl.static_range(GROUP):
+                head = kv_head * GROUP + hg
+                _merge(part_out_ptr, part_m_ptr, part_l_ptr,
+                       out_ptr + seq.to(gl.int64) * stride_ot + head * stride_oh,
+                       (seq * num_heads + head).to(gl.int64) * num_parts, gl.cdiv(ctx, PARTITION), HEAD_DIM,
+                       P_CHUNK)
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether fp8_decode takes this decode call: an e4m3 cache on an sm_89+ NVIDIA GPU (e4m3 conversions), bf16
-    or fp16 queries, head dim 64 or 128, at most 8 query heads a KV head, blocks of 16 tokens or more (a chunk
-    lies in one block), and 16-byte aligned cache rows (each lane loads whole words)."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether fp8_decode takes this decode call: e4m3 caches of one layout on an sm_89+ NVIDIA GPU (e4m3
+    conversions), bf16 or fp16 queries, head dim 64 or 128, at most 8 query heads a KV head, blocks of a multiple
+    of 16 tokens (a chunk lies in one block), and 16-byte aligned cache rows (each lane's words of a row are one
+    or two 16-byte loads)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    return (k_cache.dtype == torch.float8_e4m3fn and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and torch.version.hip is None and torch.cuda.get_device_capability(q.device) >= (8, 9)
-            and head_dim in HEAD_DIMS and k_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= MAX_GROUP and block_size >= CHUNK and q.stride(-1) == 1
+    return (k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn and k_cache.stride() == v_cache.stride()
+            and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and torch.version.hip is None
+            and torch.cuda.get_device_capability(q.device) >= (8, 9) and head_dim in HEAD_DIMS
+            and k_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP and block_size % CHUNK_TOKENS == 0 and q.stride(-1) == 1
             and k_cache.stride(-1) == 1 and all(s % 16 == 0 for s in k_cache.stride()[:-1])
-            and k_cache.data_ptr() % 16 == 0)
+            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 
 
 def fp8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,

@@ -140,9 +140,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not tied:
                 embedding = tensor  # for a tied head that is no longer the embedding's parameter
+            # a tied head is the embedding, as in transformers; a QuantizedWeight (not a Tensor) is a quantize
+            # folder's calibrated head and loads below
             if name == "lm_head.weight" and self.config.tie_word_embeddings and (
                     tied or isinstance(tensor, torch.Tensor)):
-                continue  # a tied head is the embedding, as in transformers, whatever else the file stores
+                continue
             module_name, _, attr = name.rpartition(".")
             shard = None
             for ckpt, merged, idx in _STACKED:
