@@ -1,6 +1,6 @@
 """Backend.poll's verdicts from /health answers alone (httpx's mock transport, no server): a backend whose health
 checks time out is dead unless its requests in flight are still receiving bytes, in which case it only stops
-taking new requests."""
+taking new requests; a slow /metrics (it waits for the engine's step) is no verdict at all."""
 from __future__ import annotations
 
 import asyncio
@@ -51,3 +51,15 @@ def test_backend_whose_streams_progress_is_only_taken_out_of_rotation() -> None:
     assert not backend.healthy and not backend.dead.is_set()  # its requests in flight go on
     poll_with(backend, answers)
     assert backend.healthy
+
+
+def test_slow_metrics_keep_a_healthy_backend_and_its_last_load() -> None:
+    """/metrics waits for the server's current engine step: its timeouts say nothing about liveness, so a backend
+    serving a long non-streaming request (no bytes to show progress) is not declared dead by them."""
+    backend = Backend("http://b", "default")
+    poll_with(backend, answers)
+
+    def slow_metrics(request: httpx.Request) -> httpx.Response:
+        return answers(request) if request.url.path == "/health" else hangs(request)
+    poll_with(backend, slow_metrics, 3 * DOWN_AFTER_TIMEOUTS)
+    assert backend.healthy and not backend.dead.is_set() and backend.running == 3.0

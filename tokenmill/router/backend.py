@@ -65,13 +65,13 @@ class Backend:
         """/health, then /metrics while healthy. A refused connection is a dead backend at once; a hung one is
         dead after a few timeouts; a non-200 /health (draining) only stops new requests. So does a run of timeouts
         while its streams still deliver: a busy server (a CPU engine holding the interpreter) can be slow to answer
-        /health, and failing the requests it is serving would lose work that was progressing."""
+        /health, and failing the requests it is serving would lose work that was progressing. Only /health
+        decides: a server's /metrics waits for its engine's current step (seconds for a long prefill on a CPU),
+        so a slow one leaves the last load reading in place."""
         try:
             health = await client.get(self.url + "/health", timeout=timeout)
             if health.status_code == 200:
-                metrics = await client.get(self.url + "/metrics", timeout=timeout)
-                if metrics.status_code == 200:
-                    self._read_load(metrics.text)
+                await self._poll_load(client, timeout)
         except httpx.TimeoutException:
             self._timeouts += 1
             if self._timeouts < DOWN_AFTER_TIMEOUTS:
@@ -85,6 +85,14 @@ class Backend:
             self._set_dead(f"{type(e).__name__}: {e}")
             return
         self._set_reachable(health.status_code == 200)
+
+    async def _poll_load(self, client: httpx.AsyncClient, timeout: float) -> None:
+        try:
+            metrics = await client.get(self.url + "/metrics", timeout=timeout)
+        except httpx.TimeoutException:
+            return
+        if metrics.status_code == 200:
+            self._read_load(metrics.text)
 
     def _read_load(self, text: str) -> None:
         values = dict.fromkeys(LOAD_GAUGES.values(), 0.0)
