@@ -95,36 +95,23 @@ def _transpose(x):
                                      args=[x], dtype=gl.int32, is_pure=True, pack=1)
 
 
-@gluon.jit
-def _col_max(x):
-    """The maximum over the 8 lanes of one t (the rows g of a column of an mma accumulator)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .f32 o;
-        shfl.sync.bfly.b32 o, $1, 4, 0x1f, 0xffffffff;
-        max.f32 $0, $1, o;
-        shfl.sync.bfly.b32 o, $0, 8, 0x1f, 0xffffffff;
-        max.f32 $0, $0, o;
-        shfl.sync.bfly.b32 o, $0, 16, 0x1f, 0xffffffff;
-        max.f32 $0, $0, o;
-        }""",
-        constraints="=f,f", args=[x], dtype=gl.float32, is_pure=False, pack=1)
+def _butterfly(op: str) -> gl.constexpr:
+    """PTX reducing $1 with `op` over the 8 lanes of one t (the rows g of a column of an mma accumulator) into $0,
+    the same in each of them."""
+    steps = "".join(f"shfl.sync.bfly.b32 o, {src}, {mask}, 0x1f, 0xffffffff; {op}.f32 $0, {src}, o; "
+                    for src, mask in (("$1", 4), ("$0", 8), ("$0", 16)))
+    return gl.constexpr("{ .reg .f32 o; " + steps + "}")
+
+
+_COL_MAX = _butterfly("max")
+_COL_SUM = _butterfly("add")
 
 
 @gluon.jit
-def _col_sum(x):
-    """The sum over the 8 lanes of one t, the same in each of them."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .f32 o;
-        shfl.sync.bfly.b32 o, $1, 4, 0x1f, 0xffffffff;
-        add.f32 $0, $1, o;
-        shfl.sync.bfly.b32 o, $0, 8, 0x1f, 0xffffffff;
-        add.f32 $0, $0, o;
-        shfl.sync.bfly.b32 o, $0, 16, 0x1f, 0xffffffff;
-        add.f32 $0, $0, o;
-        }""",
-        constraints="=f,f", args=[x], dtype=gl.float32, is_pure=False, pack=1)
+def _across_rows(x, ASM: gl.constexpr):
+    """x reduced over the rows g of its mma column by ASM (_COL_MAX, _COL_SUM)."""
+    return gl.inline_asm_elementwise(asm=ASM, constraints="=f,f", args=[x], dtype=gl.float32, is_pure=False,
+                                     pack=1)
 
 
 @gluon.jit
@@ -258,8 +245,8 @@ def _step(kw, vw, c, end, g, qb0, qb1, scale_log2, m0, m1, l0, l1, o00, o01, o02
     # Lazy rescaling: the reference max moves (and the sums and accumulators with it) only when a score exceeds
     # it by more than RESCALE_LOG2 (scores are log2-scaled), a warp-uniform branch; until then p <= 2^8, which
     # fp16 holds, and 32 multiplies a chunk are saved.
-    mx0 = _col_max(gl.maximum(s0, s2))
-    mx1 = _col_max(gl.maximum(s1, s3))
+    mx0 = _across_rows(gl.maximum(s0, s2), _COL_MAX)
+    mx1 = _across_rows(gl.maximum(s1, s3), _COL_MAX)
     if gl.max(gl.maximum(mx0 - m0, mx1 - m1), 0) > RESCALE_LOG2:
         new0 = gl.maximum(m0, mx0)
         new1 = gl.maximum(m1, mx1)
@@ -398,8 +385,8 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
     head0 = kv_head * GROUP + t_w * 2
     ok0 = gl.expand_dims(t_w * 2 < GROUP, 1)
     ok1 = gl.expand_dims(t_w * 2 + 1 < GROUP, 1)
-    tot0 = gl.convert_layout(_col_sum(l0), LWL, assert_trivial=True)
-    tot1 = gl.convert_layout(_col_sum(l1), LWL, assert_trivial=True)
+    tot0 = gl.convert_layout(_across_rows(l0, _COL_SUM), LWL, assert_trivial=True)
+    tot1 = gl.convert_layout(_across_rows(l1, _COL_SUM), LWL, assert_trivial=True)
     d = gl.expand_dims(lane_w // 4 * (HEAD_DIM // 8), 1) + gl.expand_dims(
         gl.arange(0, W, layout=gl.SliceLayout(0, LW)), 0) * 4
     out0 = gl.expand_dims(out_ptr + seq.to(gl.int64) * stride_ot + head0 * stride_oh, 1)
