@@ -38,11 +38,11 @@ CASES = [
 
 
 def _fp8_case(batch: int, max_ctx: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype, seq_lens: list[int] | None = None) -> PagedCase:
+              dtype: torch.dtype, seq_lens: list[int] | None = None, table_width: int = 0) -> PagedCase:
     rng = random.Random(batch * max_ctx + head_dim)
     seq_lens = seq_lens or [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
     case = make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda",
-                     seed=batch + max_ctx, garbage=float("nan"))
+                     seed=batch + max_ctx, garbage=float("nan"), table_width=table_width)
     case.k_cache, case.v_cache = case.k_cache.to(FP8), case.v_cache.to(FP8)
     case.keys = [k.to(FP8).double() for k in case.keys]  # the dense float64 answer of what the cache holds
     case.values = [v.to(FP8).double() for v in case.values]
@@ -65,14 +65,26 @@ def test_fp8_decode_matches_reference(batch: int, max_ctx: int, block_size: int,
     assert counters(out.device, batch * num_kv_heads).count_nonzero() == 0
 
 
-@pytest.mark.parametrize("partition", [16, 48, 128, 1024])  # one chunk, an odd number of chunks, more
-def test_fp8_decode_partitions(monkeypatch: pytest.MonkeyPatch, partition: int) -> None:
-    """Every partition length gives the reference's answer."""
-    monkeypatch.setitem(triton_fp8_decode.FP8_DECODE_CFG, "partition", partition)
-    monkeypatch.setitem(triton_fp8_decode.FP8_DECODE_CFG, "min_partition", partition)
-    case = _fp8_case(6, 1300, 16, 32, 8, 128, torch.bfloat16)
+# (min, max partition, programs a multiprocessor, most partitions a context): one trip of the loop a partition;
+# lengths from each context over many programs (contexts of 1 to 3,000 tokens: one partition to dozens, a partial
+# last trip); at most 4 partitions a context; fixed partitions of the longest length (one a context: FIXED)
+SPLITS = [(32, 32, 1, 1024), (32, 512, 64, 64), (64, 512, 16, 4), (128, 512, 8, 1), (1024, 1024, 1, 1)]
+
+
+@pytest.mark.parametrize("min_partition,max_partition,programs_per_sm,max_splits", SPLITS)
+def test_fp8_decode_partitions(monkeypatch: pytest.MonkeyPatch, min_partition: int, max_partition: int,
+                               programs_per_sm: int, max_splits: int) -> None:
+    """Every way of cutting contexts (triton_split.py) gives the reference's answer, through a table as wide as a
+    CUDA-graph runner's (the grid covers 4,096 tokens), and the programs that arrive leave every counter at 0."""
+    cfg = {"min_partition": min_partition, "max_partition": max_partition, "programs_per_sm": programs_per_sm,
+           "max_splits": max_splits}
+    for key, value in cfg.items():
+        monkeypatch.setitem(triton_fp8_decode.FP8_DECODE_CFG, key, value)
+    case = _fp8_case(6, 3000, 16, 32, 8, 128, torch.bfloat16, seq_lens=[1300, 1, 3000, 47, 512, 545],
+                     table_width=256)
     out = triton_ops.paged_attention(*_args(case))
     assert rel_err(out, reference_attention(case)) < 1e-2
+    assert counters(out.device, 6 * 8).count_nonzero() == 0
 
 
 def test_unsupported_shapes_fall_back() -> None:
@@ -102,7 +114,7 @@ def test_fp8_decode_empty_and_cut_contexts() -> None:
     out = triton_ops.paged_attention(*_args(case))
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert rel_err(out[1:], reference_attention(case)[1:]) < 1e-2
-    case.seq_lens[1] = 5000  # the table holds 304 tokens: 3 partitions of 128 at this batch
+    case.seq_lens[1] = 5000  # the table holds 304 tokens
     triton_ops.paged_attention(*_args(case))
     torch.cuda.synchronize()
     assert counters(out.device, 3 * 8).count_nonzero() == 0

@@ -21,11 +21,11 @@ accumulation, exp2 softmax with the scale folded in, partitions merged by the pr
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tokenmill.kernels import triton_split
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import num_sms
 from tokenmill.kernels.triton_pdl import pdl_args
@@ -38,9 +38,11 @@ CHUNK_TOKENS = 16  # tokens a loop step: two n8 tiles of S^T, one k16 step of O^
 CHUNK = gl.constexpr(CHUNK_TOKENS)
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads a KV head: the 8 columns of the mma
-# Longest partition in tokens, halved while a batch has fewer than programs_per_sm one-warp programs a
-# multiprocessor, down to min_partition.
-FP8_DECODE_CFG = {"partition": 512, "min_partition": 128, "programs_per_sm": 4}
+# Partitions (triton_split.py): multiples of min_partition tokens (a power of two of at least two chunks, one trip
+# of the loop), at most max_partition, about programs_per_sm one-warp programs a multiprocessor, at most max_splits
+# partitions a context. Searched on the H200 (docs/BENCHMARKS.md).
+FP8_DECODE_CFG = {"max_partition": 512, "min_partition": 128, "programs_per_sm": 8, "max_splits": 64}
+_partition_len = gluon.jit(triton_split.partition_len.fn)
 
 
 @gluon.jit
@@ -283,13 +285,15 @@ def _step(kw, vw, c, end, g, qb0, qb1, scale_log2, m0, m1, l0, l1, o00, o01, o02
     return m0, m1, l0, l1, o00, o01, o02, o03, o10, o11, o12, o13
 
 
-@gluon.jit(do_not_specialize=("stride_bt", "table_cols"))  # as triton_attention.VARYING_ARGS: one compile, any width
+# as triton_attention's decode kernel: one compile for any table width and batch size
+@gluon.jit(do_not_specialize=("stride_bt", "table_cols", "num_parts", "target_log2"))
 def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, counter_ptr,
                        seq_lens_ptr, block_tables_ptr, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-                       table_cols, num_heads, num_kv_heads, num_parts,
-                       GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                       PARTITION: gl.constexpr, P_CHUNK: gl.constexpr, PDL: gl.constexpr):
+                       table_cols, num_heads, num_kv_heads, num_parts, target_log2,
+                       GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, FIXED: gl.constexpr,
+                       MIN_PARTITION: gl.constexpr, MAX_PARTITION: gl.constexpr, P_CHUNK: gl.constexpr,
+                       PDL: gl.constexpr):
     """One (sequence, KV head, partition), one warp. k_ptr / v_ptr: the caches as 32-bit words, strides in
     words."""
     S: gl.constexpr = HEAD_DIM // 16  # K words a lane a key: one a k16 step
@@ -307,13 +311,18 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
     seq = gl.program_id(0)
     kv_head = gl.program_id(1)
     part = gl.program_id(2)
-    # a context longer than the grid's partitions (than its block table) is cut, so that exactly cdiv(ctx,
-    # PARTITION) programs arrive at the merge
-    ctx = gl.minimum(gl.load(seq_lens_ptr + seq), num_parts * PARTITION)
-    start = part * PARTITION
+    # a context longer than the grid's partitions (than its block table) is cut, so that exactly n_parts
+    # programs arrive at the merge
+    ctx = gl.minimum(gl.load(seq_lens_ptr + seq), num_parts * MAX_PARTITION)
+    if FIXED:  # a batch that fills the GPU by itself: every partition MAX_PARTITION long
+        length = MAX_PARTITION
+    else:
+        length = _partition_len(ctx, target_log2, MIN_PARTITION, MAX_PARTITION)
+    start = part * length
     if (start >= ctx) & (part > 0):
         return  # the grid covers the longest context the table holds; this partition has nothing to read
-    end = gl.minimum(start + PARTITION, ctx)
+    end = gl.minimum(start + length, ctx)
+    n_parts = gl.cdiv(ctx, length)
 
     lane = gl.arange(0, 32, layout=LL)
     g = lane // 4
@@ -378,7 +387,7 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
         state = _step(nxt[0], nxt[1], c + CHUNK, end, g, qb0, qb1, scale_log2, *state, S, LL, LQ, LW, LWL)
     m0, m1, l0, l1, o00, o01, o02, o03, o10, o11, o12, o13 = state
 
-    split = ctx > PARTITION
+    split = n_parts > 1
     lane_w = gl.arange(0, 32, layout=LWL)
     t_w = lane_w % 4
     # column e of lane (g, t): head 2t + e; row g of tile 2i + h: d = g D/8 + 4i + 2h (row g + 8: + 1)
@@ -412,13 +421,12 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
     _store_cols(o12, d + 3, ok0, out0, part0, tot0, split)
     _store_cols(o13, d + 3, ok1, out1, part1, tot1, split)
     if split:
-        if _arrive_last(counter_ptr + seq * num_kv_heads + kv_head, gl.cdiv(ctx, PARTITION)):
+        if _arrive_last(counter_ptr + seq * num_kv_heads + kv_head, n_parts):
             for hg in gl.static_range(GROUP):
                 head = kv_head * GROUP + hg
                 _merge(part_out_ptr, part_m_ptr, part_l_ptr,
                        out_ptr + seq.to(gl.int64) * stride_ot + head * stride_oh,
-                       (seq * num_heads + head).to(gl.int64) * num_parts, gl.cdiv(ctx, PARTITION), HEAD_DIM,
-                       P_CHUNK)
+                       (seq * num_heads + head).to(gl.int64) * num_parts, n_parts, HEAD_DIM, P_CHUNK)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -439,17 +447,13 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 def fp8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """triton_attention's decode (one query a sequence) for an e4m3 cache that supports() accepts: fixed
-    partitions from static shapes only (graph-capturable), merged in the same launch."""
+    """triton_attention's decode (one query a sequence) for an e4m3 cache that supports() accepts: a grid from
+    static shapes only (graph-capturable), partition lengths per sequence (triton_split.py), merged in the same
+    launch."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_ctx = block_tables.shape[1] * block_size
-    cfg = FP8_DECODE_CFG
-    partition = cfg["partition"]
-    while (partition > cfg["min_partition"] and num_seqs * num_kv_heads * triton.cdiv(max_ctx, partition)
-           < cfg["programs_per_sm"] * num_sms(q.device.index or 0)):
-        partition //= 2
-    num_parts = max(triton.cdiv(max_ctx, partition), 1)
+    num_parts, target_log2 = triton_split.plan(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
+                                               FP8_DECODE_CFG, num_sms(q.device.index or 0))
     if num_parts == 1:
         part_out = part_m = part_l = out  # never touched: no context is longer than one partition
         counter = seq_lens
@@ -463,5 +467,6 @@ def fp8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, se
         q, k_words, v_words, out, part_out, part_m, part_l, counter, seq_lens, block_tables, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_words.stride(0), k_words.stride(1),
         k_words.stride(2), block_tables.stride(0), block_tables.shape[1], num_heads, num_kv_heads, num_parts,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PARTITION=partition,
-        P_CHUNK=16, num_warps=1, **pdl_args(q))
+        target_log2, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        FIXED=target_log2 == 0, MIN_PARTITION=FP8_DECODE_CFG["min_partition"],
+        MAX_PARTITION=FP8_DECODE_CFG["max_partition"], P_CHUNK=16, num_warps=1, **pdl_args(q))
