@@ -89,6 +89,11 @@ def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
                 for bn, warps, pps, chunk, ahead in itertools.product((64, 128, 256), (4, 8), (1, 2, 4, 8), (8, 16),
                                                                       (1, 2))
                 if bn * 64 // (32 * warps) <= 128]
+    if kind == INT8 and mode == "unit":  # a per-channel sub-tile is the whole BLOCK_K: 32 to 128 weights a thread
+        return [GemvConfig(bn, bk, 0, warps, mode, pps, chunk, ahead)
+                for bn, bk, warps, pps, chunk, ahead in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8),
+                                                                          (2, 4), (16, 32), (1, 2))
+                if 32 <= bn * bk // (32 * warps) <= 128]
     cfgs = []
     for bn, bk, warps, pps in itertools.product((4, 8, 16, 32, 64, 128, 256), (128, 256, 512, 1024), (4, 8), (1, 2, 4)):
         acc = bn * (min(bk, 128) // 2 if kind == INT4 else bk) // (32 * warps)  # fp32 accumulators a thread
@@ -147,7 +152,7 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
         if kind in tune:
             ms, cfg = search(quant_gemv, qargs, grid(kind, dequant), kind, name, timings)
             row(f"{fmt_name} gemv best", ms, moved, cfg)
-            for mode in (m for m in DEQUANT_MODES if m != cfg.dequant and (kind == INT4 or m in ("cvt", "bits"))):
+            for mode in (m for m in DEQUANT_MODES if m != cfg.dequant and (kind == INT4 or m != "prmt")):
                 alt = dataclasses.replace(cfg, dequant=mode)
                 row(f"{fmt_name} gemv best, {mode}",
                     time_rotating(lambda *a, alt=alt: quant_gemv(*a, alt), qargs), moved, alt)

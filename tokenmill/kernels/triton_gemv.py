@@ -17,12 +17,15 @@ nibble keeps it (the high nibble as 16 q, its x scaled by 1/16), and a fused mul
 offset exactly: three integer instructions a byte instead of six (counted in the SASS). Either way a group's
 scale and min are applied once per packed byte (nibble pair): sum (q s + m) x = s sum q x + m sum x.
 
-"unit" (INT4 only, its own kernel, the default for 16-bit activations): the weight becomes a float near 1.0
-instead of near 2^23, so the offset can stay in the sum: 1 + q / 128 (low nibble) and 1 + q / 2048 (high
-nibble, its x times 16). Each weight then costs one fused multiply-add into a thread's partial sum over CHUNK
-bytes of a row; a group's sum of x takes the offset off, and its scale and min apply once per chunk: 3.6 to 5.6
-SASS instructions a weight (256- to 64-row tiles) against 6.1 for "prmt". float32 keeps ~17 bits of each
-product, which a 16-bit output never sees (float32 activations take "prmt").
+"unit" (its own kernel, the default for 16-bit activations): the weight becomes a float near 1.0 instead of near
+2^23, so the offset can stay in the sum. INT4: 1 + q / 128 (low nibble) and 1 + q / 2048 (high nibble, its x
+times 16); INT8: 1 + (q + 128) / 2^15 (one LOP3 flips a word's four sign bits, one byte permute a weight puts it
+in mantissa bits 8-15). Each weight then costs one fused multiply-add into a thread's partial sum over CHUNK
+bytes of a row; a chunk's sum of x takes the offset off, and a group's scale (and min) apply once per chunk:
+INT4 3.6 to 5.6 SASS instructions a weight (256- to 64-row tiles) against 6.1 for "prmt"; INT8 3.5 to 3.9
+against 5.7 for "bits" (sm_90, compiled here). float32 keeps ~16-17 bits of each product, which a 16-bit output
+never sees (float32 activations take "prmt" and "bits"). INT8 rows must be whole 16-byte blocks (K a multiple of 16);
+others run "bits".
 
 When N / BLOCK_N tiles are too few to keep every multiprocessor streaming, K is split over programs, and the
 split that finishes last adds the fp32 partial sums in split order (triton_arrive.py): one launch, and results
@@ -50,7 +53,7 @@ class GemvConfig:
     block_k: int  # input features per tile (INT4: bytes per row are half that)
     split_k: int = 0  # 0: split until there are about programs_per_sm programs per multiprocessor
     num_warps: int = 4
-    dequant: str = "prmt"  # cvt | bits | prmt | unit (prmt and unit: INT4; INT8 treats them as bits); see above
+    dequant: str = "prmt"  # cvt | bits | prmt | unit (prmt: INT4, INT8 treats it as bits; unit: INT4, INT8); see above
     programs_per_sm: int = 4
     chunk: int = 16  # unit: bytes of a row summed in one thread before the group's scale applies to them
     ahead: int = 1  # unit: sub-tiles loaded ahead of the one being summed (1 or 2)
@@ -73,18 +76,22 @@ class GemvConfig:
 # WIDE_N outputs or more (gate/up; INT8: 35.4 us against 37.4; bf16: 56.8 against 57.6), DEEP for at least twice
 # as many inputs as outputs (down; bf16: 30.5 against 31.8; INT4: 17.2 against 21.7). INT4's default tile is
 # the best of qkv and o (9.0 and 7.2 us against 11.4 and 8.6 with the 64-row tile): since a K split costs no
-# second launch, wide tiles split many ways win.
+# second launch, wide tiles split many ways win. INT8 "unit" (searched over 12 tiles, 2026-11-30): gate/up 30.6 us
+# (90% of copy) against 35.2 with "bits", down 18.0 against 18.7; qkv and o stay "bits" (10.4 and 7.0 us; "unit"
+# took 10.1-16.8 and 7.7-10.7).
 DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
 DENSE_WIDE_CFG = GemvConfig(16, 256, num_warps=4, dequant="cvt", programs_per_sm=2)
 DENSE_DEEP_CFG = GemvConfig(4, 512, num_warps=8, dequant="cvt", programs_per_sm=2)
 INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
-INT8_WIDE_CFG = GemvConfig(16, 512, num_warps=8, dequant="bits", programs_per_sm=4)
+INT8_WIDE_CFG = GemvConfig(32, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16)
+INT8_DEEP_CFG = GemvConfig(64, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16)
 INT4_CFG = GemvConfig(256, 128, num_warps=8, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_DEEP_CFG = GemvConfig(128, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, ahead=2)
 WIDE_N = 16384
 # float32 activations keep full precision: "unit" would round each product to ~17 bits.
 INT4_FP32_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
+INT8_FP32_CFG = INT8_CFG
 
 
 @triton.jit
@@ -209,6 +216,39 @@ def _unit_word(word):
 
 
 @triton.jit
+def _unit_int8_word(word):
+    """A word of four int8 weights as floats near 1, in byte order: 1 + (q + 128) / 2^15. PTX: one LOP3 flips
+    the word's four sign bits (q + 128 as a byte), one byte permute a weight puts it under 1.0's exponent, in
+    mantissa bits 8-15."""
+    f0, f1, f2, f3 = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u;
+        xor.b32 u, $4, 0x80808080;
+        prmt.b32 $0, u, 0x3F800000, 0x7604;
+        prmt.b32 $1, u, 0x3F800000, 0x7614;
+        prmt.b32 $2, u, 0x3F800000, 0x7624;
+        prmt.b32 $3, u, 0x3F800000, 0x7634;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[word], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    return tl.join(tl.join(f0, f2), tl.join(f1, f3))  # flattens to bytes 0, 1, 2, 3 (as in _unit_word)
+
+
+@triton.jit
+def _int8_unit_subtile(q, part, x_ptr, s_ptr, s_off, n_mask, ks, K, n_groups, k_of_weight,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr):
+    """One sub-tile of INT8 words q added to part, the rows' partial sums by CHUNK weights ([BLOCK_N, C]): each
+    chunk's sum of x takes the offset 1 off at once, while the sum is about as large as its products."""
+    kk = ks + k_of_weight
+    x = tl.reshape(tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :], [1, C, CHUNK])
+    v = tl.reshape(_unit_int8_word(q), [BLOCK_N, C, CHUNK])
+    x_sum = tl.sum(x, 2)
+    dot = (tl.sum(v * x, 2) - x_sum) * 32768.0 - x_sum * 128.0  # sum (q + 128) x - 128 sum x
+    if GROUP > 0:
+        dot = dot * group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
+    return part + dot
+
+
+@triton.jit
 def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_byte,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr):
     """One sub-tile of packed words q added to part, the rows' partial sums by CHUNK bytes ([BLOCK_N, C])."""
@@ -229,50 +269,61 @@ def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_gro
 
 
 @triton.jit
-def _word_tile(rows, n_mask, word, k_of_word, ks, k_hi, K):
-    """The packed words of the sub-tile at input ks; zeros past K or past this split."""
-    w0 = tl.multiple_of(ks // 8, 4)  # splits and sub-tiles start on 16-byte packing blocks
+def _word_tile(rows, n_mask, word, k_of_word, ks, k_hi, K, PER_WORD: tl.constexpr):
+    """The packed words (PER_WORD inputs each) of the sub-tile at input ks; zeros past K or past this split."""
+    w0 = tl.multiple_of(ks // PER_WORD, 4)  # splits and sub-tiles start on 16-byte blocks
     return tl.load(rows + (w0 + word)[None, :], mask=n_mask & ((ks + k_of_word < K) & (ks < k_hi))[None, :], other=0)
 
 
 @triton.jit
-def _int4_unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups,
-                      k_per_split, stride_wb, stride_sn,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_N: tl.constexpr,
-                      SUB: tl.constexpr, CHUNK: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
-    """INT4 with "unit" dequantization (module docstring). w_ptr is the packed weight as 32-bit words, stride_wb
-    its row stride in 16-byte packing blocks: as bytes, a tile carried from one step to the next is re-packed at
-    every use. Words are loaded AHEAD sub-tiles ahead, so each program keeps one or two sub-tiles in flight while
-    it sums the one before."""
+def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups,
+                 k_per_split, stride_wb, stride_sn,
+                 INT8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
+                 AHEAD: tl.constexpr, PDL: tl.constexpr):
+    """INT4 or INT8 with "unit" dequantization (module docstring). w_ptr is the weight as 32-bit words, stride_wb
+    its row stride in 16-byte blocks: as bytes, a tile carried from one step to the next is re-packed at every
+    use. Words are loaded AHEAD sub-tiles ahead, so each program keeps one or two sub-tiles in flight while it
+    sums the one before. INT8 with GROUP 0 has one scale a row (per channel), applied to the row's sum."""
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N)[:, None]
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * (stride_wb * 4)  # a row is whole blocks: 16-byte aligned
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * (stride_wb * 4)  # a row is whole 16-byte blocks
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
-    C: tl.constexpr = SUB // 2 // CHUNK
-    byte = tl.arange(0, SUB // 2)
-    k_of_byte = (byte // 16) * 32 + byte % 16  # the input of the byte's low nibble
-    word = tl.arange(0, SUB // 8)
-    k_of_word = (word // 4) * 32  # the first input of the word's packing block: rows are padded to blocks
+    PER_WORD: tl.constexpr = 4 if INT8 else 8
+    C: tl.constexpr = (SUB if INT8 else SUB // 2) // CHUNK
+    word = tl.arange(0, SUB // PER_WORD)
+    if INT8:
+        k_of_word = (word // 4) * 16  # the first input of the word's 16-byte block (K is a multiple of 16)
+        k_of_input = tl.arange(0, SUB)
+    else:
+        byte = tl.arange(0, SUB // 2)
+        k_of_input = (byte // 16) * 32 + byte % 16  # the input of the byte's low nibble
+        k_of_word = (word // 4) * 32  # the first input of the word's packing block: rows are padded to blocks
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
     part = tl.zeros([BLOCK_N, C], tl.float32)
     pdl_wait(PDL)
-    nxt = _word_tile(rows, n_mask, word, k_of_word, k_lo, k_hi, K)
+    nxt = _word_tile(rows, n_mask, word, k_of_word, k_lo, k_hi, K, PER_WORD)
     if AHEAD == 2:
-        nxt2 = _word_tile(rows, n_mask, word, k_of_word, k_lo + SUB, k_hi, K)
+        nxt2 = _word_tile(rows, n_mask, word, k_of_word, k_lo + SUB, k_hi, K, PER_WORD)
     for ks in range(k_lo, k_hi, SUB):
         q = nxt
         if AHEAD == 2:
             nxt = nxt2
-            nxt2 = _word_tile(rows, n_mask, word, k_of_word, ks + 2 * SUB, k_hi, K)
+            nxt2 = _word_tile(rows, n_mask, word, k_of_word, ks + 2 * SUB, k_hi, K, PER_WORD)
         else:
-            nxt = _word_tile(rows, n_mask, word, k_of_word, ks + SUB, k_hi, K)
-        part = _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_byte,
-                                  GROUP, BLOCK_N, C, CHUNK)
+            nxt = _word_tile(rows, n_mask, word, k_of_word, ks + SUB, k_hi, K, PER_WORD)
+        if INT8:
+            part = _int8_unit_subtile(q, part, x_ptr, s_ptr, s_off, n_mask, ks, K, n_groups, k_of_input, GROUP,
+                                      BLOCK_N, C, CHUNK)
+        else:
+            part = _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_input,
+                                      GROUP, BLOCK_N, C, CHUNK)
     pdl_release(PDL)
     y = tl.sum(part, 1)
+    if INT8 and GROUP == 0:
+        y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
     _store_rows(y, 0.0, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, K, 0.0, HAS_BIAS, HAS_RESIDUAL,
                 False, SPLIT)
 
@@ -356,12 +407,12 @@ def sub_tile(group: int, block_k: int) -> int:
 
 def default_config(kind: int, n: int = 0, *, k: int = 0, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The tuned config for a kind of weight with n output and k input features and activations of dtype."""
-    if kind == INT4 and dtype == torch.float32:
-        return INT4_FP32_CFG
+    if kind != DENSE and dtype == torch.float32:
+        return INT4_FP32_CFG if kind == INT4 else INT8_FP32_CFG
     if n >= WIDE_N:
         return (DENSE_WIDE_CFG, INT8_WIDE_CFG, INT4_WIDE_CFG)[kind]
-    if kind != INT8 and k >= 2 * n > 0:
-        return DENSE_DEEP_CFG if kind == DENSE else INT4_DEEP_CFG
+    if k >= 2 * n > 0:
+        return (DENSE_DEEP_CFG, INT8_DEEP_CFG, INT4_DEEP_CFG)[kind]
     return (DENSE_CFG, INT8_CFG, INT4_CFG)[kind]
 
 
@@ -373,6 +424,14 @@ def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
         return min(cfg.split_k or 1, k_tiles)
     target = cfg.programs_per_sm * num_sms(device.index or 0)
     return max(1, min(triton.cdiv(target, triton.cdiv(n, cfg.block_n)), k_tiles, 32))
+
+
+def _unit(kind: int, cfg: GemvConfig, w: torch.Tensor, k: int) -> bool:
+    """Whether "unit" dequantization runs: INT4 (rows are whole 16-byte packing blocks), or INT8 whose rows are
+    whole 16-byte blocks too (any other INT8 runs "bits")."""
+    if cfg.dequant != "unit":
+        return False
+    return kind == INT4 or (kind == INT8 and k % 16 == 0 and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
@@ -407,13 +466,12 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     r = out if residual is None else residual
     n_groups = 1 if scales is None else scales.shape[1]
     sub = sub_tile(group_k, cfg.block_k)
-    if kind == INT4 and cfg.dequant == "unit":  # packed rows are whole 16-byte blocks: read as 32-bit words
-        words = w.view(torch.int32)
-        _int4_unit_kernel[grid](x1, words, s, m, b, r, out, part, counter, n, k, n_groups, k_per_split,
-                                w.stride(0) // 16, s.stride(0), GROUP=group_k, HAS_BIAS=bias is not None,
-                                HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
-                                CHUNK=min(cfg.chunk, sub // 2), AHEAD=cfg.ahead, num_warps=cfg.num_warps,
-                                num_stages=1, **pdl)
+    if _unit(kind, cfg, w, k):  # rows of whole 16-byte blocks: read as 32-bit words
+        _unit_kernel[grid](x1, w.view(torch.int32), s, m, b, r, out, part, counter, n, k, n_groups, k_per_split,
+                           w.stride(0) // 16, s.stride(0), INT8=kind == INT8, GROUP=group_k, HAS_BIAS=bias is not None,
+                           HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
+                           CHUNK=min(cfg.chunk, sub if kind == INT8 else sub // 2), AHEAD=cfg.ahead,
+                           num_warps=cfg.num_warps, num_stages=1, **pdl)
     else:
         _gemv_kernel[grid](x1, w, s, m, b, r, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
                            s.stride(0), 0.0 if rms_eps is None else rms_eps,
