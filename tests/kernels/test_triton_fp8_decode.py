@@ -65,9 +65,9 @@ def test_fp8_decode_matches_reference(batch: int, max_ctx: int, block_size: int,
     assert counters(out.device, batch * num_kv_heads).count_nonzero() == 0
 
 
-# (min, max partition, programs a multiprocessor, most partitions a context): one trip of the loop a partition;
-# lengths from each context over many programs (contexts of 1 to 3,000 tokens: one partition to dozens, a partial
-# last trip); at most 4 partitions a context; fixed partitions of the longest length (one a context: FIXED)
+# (min, max partition, programs a multiprocessor, largest target): one trip of the loop a partition; lengths from
+# each context over many programs (contexts of 1 to 3,000 tokens: one partition to dozens, a partial last trip);
+# a target of 4 (the 3,000-token context still needs 6 of 512); fixed partitions of max_partition (FIXED: target 1)
 SPLITS = [(32, 32, 1, 1024), (32, 512, 64, 64), (64, 512, 16, 4), (128, 512, 8, 1), (1024, 1024, 1, 1)]
 
 

@@ -39,8 +39,9 @@ CHUNK = gl.constexpr(CHUNK_TOKENS)
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads a KV head: the 8 columns of the mma
 # Partitions (triton_split.py): multiples of min_partition tokens (a power of two of at least two chunks, one trip
-# of the loop), at most max_partition, about programs_per_sm one-warp programs a multiprocessor, at most max_splits
-# partitions a context. Searched on the H200 (docs/BENCHMARKS.md).
+# of the loop), at most max_partition, a context cut into enough of them for about programs_per_sm one-warp
+# programs a multiprocessor, into at most max_splits unless partitions of max_partition need more. Searched on the
+# H200 (docs/BENCHMARKS.md).
 FP8_DECODE_CFG = {"max_partition": 512, "min_partition": 128, "programs_per_sm": 8, "max_splits": 64}
 _partition_len = gluon.jit(triton_split.partition_len.fn)
 
@@ -311,8 +312,8 @@ def _fp8_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, p
     seq = gl.program_id(0)
     kv_head = gl.program_id(1)
     part = gl.program_id(2)
-    # a context longer than the grid's partitions (than its block table) is cut, so that exactly n_parts
-    # programs arrive at the merge
+    # a context longer than the grid's partitions of MAX_PARTITION (which cover its block table) is cut, so that
+    # exactly n_parts programs arrive at the merge
     ctx = gl.minimum(gl.load(seq_lens_ptr + seq), num_parts * MAX_PARTITION)
     if FIXED:  # a batch that fills the GPU by itself: every partition MAX_PARTITION long
         length = MAX_PARTITION

@@ -17,8 +17,8 @@ nibble keeps it (the high nibble as 16 q, its x scaled by 1/16), and a fused mul
 offset exactly: three integer instructions a byte instead of six (counted in the SASS). Either way a group's
 scale and min are applied once per packed byte (nibble pair): sum (q s + m) x = s sum q x + m sum x.
 
-"unit" (its own kernel, the default for 16-bit activations): the weight becomes a float near 1.0 instead of near
-2^23, so the offset can stay in the sum. INT4: 1 + q / 128 (low nibble) and 1 + q / 2048 (high nibble, its x
+"unit" (its own kernel; the default for INT4 with 16-bit activations, and for INT8's wide and deep matrices): the
+weight becomes a float near 1.0 instead of near 2^23, so the offset can stay in the sum. INT4: 1 + q / 128 (low nibble) and 1 + q / 2048 (high nibble, its x
 times 16); INT8: 1 + (q + 128) / 2^15 (one LOP3 flips a word's four sign bits, one byte permute a weight puts it
 in mantissa bits 8-15). Each weight then costs one fused multiply-add into a thread's partial sum over CHUNK
 bytes of a row; a chunk's sum of x takes the offset off, and a group's scale (and min) apply once per chunk:
@@ -91,7 +91,7 @@ INT4_DEEP_CFG = GemvConfig(128, 128, num_warps=4, dequant="unit", programs_per_s
 WIDE_N = 16384
 # float32 activations keep full precision: "unit" would round each product to ~17 bits.
 INT4_FP32_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
-INT8_FP32_CFG = INT8_CFG
+INT8_FP32_WIDE_CFG = GemvConfig(16, 512, num_warps=8, dequant="bits", programs_per_sm=4)
 
 
 @triton.jit
@@ -335,7 +335,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr,
                  BITS: tl.constexpr, PDL: tl.constexpr):
-    """Every format but "unit" INT4. NORM (dense only) sums x^2 on the way: x is loaded for the products anyway."""
+    """Every dequantization but "unit". NORM (dense only) sums x^2 on the way: x is loaded for the products
+    anyway."""
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N)[:, None]
@@ -407,8 +408,10 @@ def sub_tile(group: int, block_k: int) -> int:
 
 def default_config(kind: int, n: int = 0, *, k: int = 0, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The tuned config for a kind of weight with n output and k input features and activations of dtype."""
-    if kind != DENSE and dtype == torch.float32:
-        return INT4_FP32_CFG if kind == INT4 else INT8_FP32_CFG
+    if kind == INT4 and dtype == torch.float32:
+        return INT4_FP32_CFG
+    if kind == INT8 and dtype == torch.float32:
+        return INT8_FP32_WIDE_CFG if n >= WIDE_N else INT8_CFG
     if n >= WIDE_N:
         return (DENSE_WIDE_CFG, INT8_WIDE_CFG, INT4_WIDE_CFG)[kind]
     if k >= 2 * n > 0:
@@ -440,7 +443,10 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if rms_eps is not None and kind != DENSE:
         raise ValueError("the GEMV normalizes its input only for float weights (a norm folds into those alone)")
-    cfg = cfg or default_config(kind, n, k=k, dtype=x.dtype)
+    if cfg is None:
+        cfg = default_config(kind, n, k=k, dtype=x.dtype)
+        if cfg.dequant == "unit" and not _unit(kind, cfg, w, k):
+            cfg = INT8_CFG  # an INT8 "unit" tile whose rows are not whole 16-byte blocks: the tuned "bits" one
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()

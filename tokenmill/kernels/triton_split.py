@@ -3,9 +3,9 @@
 
 The grid is fixed from static shapes, so a launch can be captured in a CUDA graph: (sequences, KV heads,
 num_parts), where num_parts covers the block table's longest context at the longest partition. The partition
-length is chosen per sequence at run time from its own context: cut into about `target` partitions (so a
-small batch still gives every multiprocessor work), in multiples of min_partition, never longer than
-max_partition. Partitions past a context exit at once.
+length is chosen per sequence at run time from its own context: ctx / target (a power of two, so a small
+batch still gives every multiprocessor work) rounded up to a multiple of min_partition, never longer than
+max_partition; a context gets at most `target` partitions unless it is longer than target * max_partition. Partitions past a context exit at once.
 
 Why at run time: CUDA graphs size block tables for max_model_len, and partitions fixed from the table's width
 were sized for the longest context it could hold. H200, e4m3 cache, tables 8,192 tokens wide (docs/BENCHMARKS.md):
@@ -25,8 +25,9 @@ import triton.language as tl
 def plan(num_seqs: int, num_kv_heads: int, max_ctx: int, cfg: dict[str, int], sms: int) -> tuple[int, int]:
     """(num_parts, log2 of target) for a launch: the grid's partitions a (sequence, KV head), and the partitions a
     context is cut into, a power of two (a shift in the kernel, not a division). cfg: max_partition, min_partition
-    (powers of two), programs_per_sm (the programs a multiprocessor should get), max_splits (the most partitions
-    a context: one program merges them all). Target 1 (log2 0): a batch that fills the GPU by itself, whose
+    (powers of two), programs_per_sm (the programs a multiprocessor should get), max_splits (the largest target:
+    one program merges a context's partitions; a context longer than max_splits * max_partition still gets
+    partitions of max_partition, more of them). Target 1 (log2 0): a batch that fills the GPU by itself, whose
     partitions are all max_partition long, as a kernel can know at compile time."""
     pairs = max(num_seqs * num_kv_heads, 1)
     wanted = triton.next_power_of_2(triton.cdiv(cfg["programs_per_sm"] * sms, pairs))
