@@ -443,10 +443,11 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if rms_eps is not None and kind != DENSE:
         raise ValueError("the GEMV normalizes its input only for float weights (a norm folds into those alone)")
-    if cfg is None:
-        cfg = default_config(kind, n, k=k, dtype=x.dtype)
-        if cfg.dequant == "unit" and not _unit(kind, cfg, w, k):
-            cfg = INT8_CFG  # an INT8 "unit" tile whose rows are not whole 16-byte blocks: the tuned "bits" one
+    given = cfg is not None
+    cfg = cfg or default_config(kind, n, k=k, dtype=x.dtype)
+    unit = _unit(kind, cfg, w, k)
+    if not given and cfg.dequant == "unit" and not unit:
+        cfg = INT8_CFG  # an INT8 "unit" tile whose rows are not whole 16-byte blocks: the tuned "bits" one
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
@@ -472,7 +473,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     r = out if residual is None else residual
     n_groups = 1 if scales is None else scales.shape[1]
     sub = sub_tile(group_k, cfg.block_k)
-    if _unit(kind, cfg, w, k):  # rows of whole 16-byte blocks: read as 32-bit words
+    if unit:  # rows of whole 16-byte blocks: read as 32-bit words
         _unit_kernel[grid](x1, w.view(torch.int32), s, m, b, r, out, part, counter, n, k, n_groups, k_per_split,
                            w.stride(0) // 16, s.stride(0), INT8=kind == INT8, GROUP=group_k, HAS_BIAS=bias is not None,
                            HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
