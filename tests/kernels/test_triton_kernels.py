@@ -5,6 +5,7 @@ NaN, so an element the kernel never writes, or a slot it reads by mistake, fails
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -186,6 +187,67 @@ def test_rope_and_cache(num_tokens: int, num_heads: int, num_kv_heads: int, head
     assert torch.equal(written, ~k_cache.isnan())
     assert torch.equal(k_cache[written], ref_k_cache[written].to(dtype))
     assert torch.equal(v_cache[written], ref_v_cache[written].to(dtype))
+
+
+# batch, longest context, block size, query heads, kv heads, head dim, dtype, block table width (0: as needed)
+DECODE_ROPE = [
+    (1, 1, 16, 8, 8, 64, BF16, 0),          # only the new token
+    (1, 150, 16, 32, 8, 128, BF16, 512),    # batch 1 as a CUDA-graph runner sees it: a table for 8,192 tokens
+    (1, 4000, 16, 32, 8, 128, BF16, 0),     # partitions merged
+    (3, 700, 32, 32, 4, 128, F32, 0),
+    (16, 300, 8, 64, 8, 128, BF16, 0),      # GQA 8
+    (33, 513, 32, 28, 4, 128, F32, 0),      # group of 7 heads
+    (64, 1100, 16, 32, 8, 128, BF16, 0),
+    (256, 200, 16, 32, 8, 64, BF16, 0),
+    (2, 200, 16, 8, 8, 96, F32, 0),         # head dim that is not a power of two
+    (2, 1000, 16, 8, 8, 64, BF16, 0),       # no GQA, partitions merged
+    (4, 2000, 16, 28, 4, 128, BF16, 0),     # group of 7 heads, partitions merged
+]
+
+
+@pytest.mark.parametrize("batch,max_ctx,block_size,num_heads,num_kv_heads,head_dim,dtype,width", DECODE_ROPE,
+                         ids=_ids)
+def test_decode_attention_rotates_writes_and_attends(batch: int, max_ctx: int, block_size: int, num_heads: int,
+                                                     num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                                     width: int) -> None:
+    """The fused decode step against rotary, cache write and dense attention in float64: the new token's slot
+    holds NaN until the kernel writes it (reading it first fails), a padding row (slot -1, as the graph runner
+    pads) writes nothing, and no other slot changes."""
+    rng = random.Random(batch * max_ctx + head_dim)
+    seq_lens = [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
+    case = make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda",
+                     seed=batch + max_ctx, garbage=float("nan"), table_width=width)
+    q, k, v = _fused_qkv(batch, num_heads, num_kv_heads, head_dim, dtype)
+    positions = case.seq_lens.long() - 1
+    tables = case.block_tables.long()
+    rows = torch.arange(batch, device="cuda")
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    padding = batch >= 3
+    if padding:
+        slots[-1] = -1
+    new = slots[slots >= 0]
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    k_cache.flatten(0, 1)[new] = float("nan")
+    v_cache.flatten(0, 1)[new] = float("nan")
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    cos_sin = _cos_sin(head_dim, max_ctx)
+    out = triton_ops.decode_attention(positions, q, k, v, cos_sin, k_cache, v_cache, slots, case.query_start_loc,
+                                      case.seq_lens, case.block_tables, case.scale)
+
+    q_rot, k_rot = torch_ref.rotary_embedding(positions, q.double(), k.double(), cos_sin.double())
+    keys = [torch.cat((old[:n - 1], k_rot[i:i + 1].cpu())) for i, (old, n) in enumerate(zip(case.keys, seq_lens))]
+    values = [torch.cat((old[:n - 1], v[i:i + 1].double().cpu()))
+              for i, (old, n) in enumerate(zip(case.values, seq_lens))]
+    real = slice(0, batch - 1 if padding else batch)
+    ref = reference_attention(dataclasses.replace(case, q=q_rot, keys=keys, values=values))
+    assert out.dtype == dtype and rel_err(out[real], ref[real]) < TOL[dtype]
+    assert rel_err(k_cache.flatten(0, 1)[new], k_rot[real]) < TOL[dtype]
+    assert torch.equal(v_cache.flatten(0, 1)[new], v[real])
+    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool, device="cuda")
+    untouched.flatten()[new] = False
+    for after, before in ((k_cache, before_k), (v_cache, before_v)):
+        assert torch.equal(after[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
+    assert counters(out.device, batch * num_kv_heads).count_nonzero() == 0
 
 
 NORM = [((1, 4096), BF16), ((7, 4096), BF16), ((256, 5120), F32), ((1000, 8192), BF16), ((3, 100), F32)]

@@ -170,6 +170,16 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return q
 
 
+def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode step's attention, one query per sequence: rope_and_cache, then paged_attention (a GPU runs both
+    in one launch)."""
+    q = rope_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rms_eps: float | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T + bias (+ residual), in out_dtype (default x's). rms_eps: x is first RMS-normalized without a

@@ -57,6 +57,7 @@ class GemvConfig:
     programs_per_sm: int = 4
     chunk: int = 16  # unit: bytes of a row summed in one thread before the group's scale applies to them
     ahead: int = 1  # unit: sub-tiles loaded ahead of the one being summed (1 or 2)
+    early: bool = False  # unit: the first sub-tiles load before the PDL wait (weights: no kernel of a step writes them)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "chunk"):
@@ -83,8 +84,8 @@ DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  #
 DENSE_WIDE_CFG = GemvConfig(16, 256, num_warps=4, dequant="cvt", programs_per_sm=2)
 DENSE_DEEP_CFG = GemvConfig(4, 512, num_warps=8, dequant="cvt", programs_per_sm=2)
 INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
-INT8_WIDE_CFG = GemvConfig(32, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16)
-INT8_DEEP_CFG = GemvConfig(64, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16)
+INT8_WIDE_CFG = GemvConfig(32, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True)
+INT8_DEEP_CFG = GemvConfig(64, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True)
 INT4_CFG = GemvConfig(256, 128, num_warps=8, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_DEEP_CFG = GemvConfig(128, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, ahead=2)
@@ -280,7 +281,7 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
                  k_per_split, stride_wb, stride_sn,
                  INT8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
-                 AHEAD: tl.constexpr, PDL: tl.constexpr):
+                 AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """INT4 or INT8 with "unit" dequantization (module docstring). w_ptr is the weight as 32-bit words, stride_wb
     its row stride in 16-byte blocks: as bytes, a tile carried from one step to the next is re-packed at every
     use. Words are loaded AHEAD sub-tiles ahead, so each program keeps one or two sub-tiles in flight while it
@@ -303,10 +304,13 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
     part = tl.zeros([BLOCK_N, C], tl.float32)
-    pdl_wait(PDL)
+    if not EARLY:
+        pdl_wait(PDL)
     nxt = _word_tile(rows, n_mask, word, k_of_word, k_lo, k_hi, K, PER_WORD)
     if AHEAD == 2:
         nxt2 = _word_tile(rows, n_mask, word, k_of_word, k_lo + SUB, k_hi, K, PER_WORD)
+    if EARLY:
+        pdl_wait(PDL)
     for ks in range(k_lo, k_hi, SUB):
         q = nxt
         if AHEAD == 2:
@@ -478,7 +482,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
                            w.stride(0) // 16, s.stride(0), INT8=kind == INT8, GROUP=group_k, HAS_BIAS=bias is not None,
                            HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
                            CHUNK=min(cfg.chunk, sub if kind == INT8 else sub // 2), AHEAD=cfg.ahead,
-                           num_warps=cfg.num_warps, num_stages=1, **pdl)
+                           EARLY=cfg.early, num_warps=cfg.num_warps, num_stages=1, **pdl)
     else:
         _gemv_kernel[grid](x1, w, s, m, b, r, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
                            s.stride(0), 0.0 if rms_eps is None else rms_eps,

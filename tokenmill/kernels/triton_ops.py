@@ -17,6 +17,7 @@ from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
 __all__ = [
     "argmax",
+    "decode_attention",
     "linear",
     "paged_attention",
     "rms_norm",
@@ -50,6 +51,19 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                    slot_mapping: torch.Tensor) -> torch.Tensor:
     impl = triton_kv_quant.rope_and_cache_int8 if k_cache.dtype == torch.int8 else triton_rope_cache.rope_and_cache
     return impl(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """One launch where the cache holds 16- or 32-bit floats; quantized caches rotate and write in their own
+    kernel first."""
+    if k_cache.element_size() == 1:
+        q = rope_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1)
+    return triton_attention.decode_attention_rope(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                  seq_lens, block_tables, scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,

@@ -57,6 +57,10 @@ class PagedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context()
+        if meta.max_query_len == 1:
+            return self.ops.decode_attention(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache,
+                                             meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                             meta.block_tables, self.scale)
         q = self.ops.rope_and_cache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens,
                                         meta.block_tables, self.scale, meta.max_query_len)
