@@ -57,3 +57,23 @@ def test_blocks_after_a_twin_are_cached_after_the_block_it_duplicates():
     c = Request("c", prompt + [7, 7, 7, 7, 1], SamplingParams(max_tokens=1))
     assert kv.get_computed_blocks(c)[1] == 12
     kv.check_invariants()
+
+
+def test_block_a_one_token_step_fills_is_a_hit_from_the_next_step_on():
+    """Decode attention writes a one-token step's K/V and reads cached tokens in the same launch, unordered: a
+    request admitted in that step must not read the block the token completes (it recomputes it), while blocks
+    a longer step fills (written by their own kernel first) stay hits at once."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    kv.begin_step()
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8))
+    assert kv.allocate_slots(a, 7)  # a prefill: its first block is a hit in the same step
+    follower = Request("f", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=1))
+    assert kv.get_computed_blocks(follower)[1] == 4
+    a.num_computed_tokens = 7
+    a.append_token(8)
+    kv.begin_step()
+    assert kv.allocate_slots(a, 1)  # decode token 8 completes a's second block
+    assert kv.get_computed_blocks(follower)[1] == 4
+    kv.begin_step()
+    assert kv.get_computed_blocks(follower)[1] == 8
+    kv.check_invariants()

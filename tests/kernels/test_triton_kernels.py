@@ -202,6 +202,9 @@ DECODE_ROPE = [
     (2, 200, 16, 8, 8, 96, F32, 0),         # head dim that is not a power of two
     (2, 1000, 16, 8, 8, 64, BF16, 0),       # no GQA, partitions merged
     (4, 2000, 16, 28, 4, 128, BF16, 0),     # group of 7 heads, partitions merged
+    (1, 257, 16, 32, 8, 128, BF16, 0),      # the new token alone in the last 256-token partition
+    (1, 256, 16, 32, 8, 128, BF16, 0),      # ... the last token of the only one
+    (40, 1025, 16, 28, 4, 128, F32, 0),     # a grid too large to read before the wait: group of 7, float32
 ]
 
 
@@ -211,10 +214,13 @@ def test_decode_attention_rotates_writes_and_attends(batch: int, max_ctx: int, b
                                                      num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                                                      width: int) -> None:
     """The fused decode step against rotary, cache write and dense attention in float64: the new token's slot
-    holds NaN until the kernel writes it (reading it first fails), a padding row (slot -1, as the graph runner
-    pads) writes nothing, and no other slot changes."""
+    holds NaN until the kernel writes it (reading it first fails), a padding row (context 1, position 0, slot
+    -1, as the graph runner pads) writes nothing, and no other slot changes."""
     rng = random.Random(batch * max_ctx + head_dim)
     seq_lens = [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
+    padding = batch >= 3
+    if padding:
+        seq_lens[-1] = 1
     case = make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda",
                      seed=batch + max_ctx, garbage=float("nan"), table_width=width)
     q, k, v = _fused_qkv(batch, num_heads, num_kv_heads, head_dim, dtype)
@@ -222,7 +228,6 @@ def test_decode_attention_rotates_writes_and_attends(batch: int, max_ctx: int, b
     tables = case.block_tables.long()
     rows = torch.arange(batch, device="cuda")
     slots = tables[rows, positions // block_size] * block_size + positions % block_size
-    padding = batch >= 3
     if padding:
         slots[-1] = -1
     new = slots[slots >= 0]

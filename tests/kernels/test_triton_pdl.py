@@ -15,10 +15,9 @@ from paged_cases import make_case
 
 from tokenmill.kernels import triton_pdl
 from tokenmill.kernels.triton_activation import silu_and_mul
-from tokenmill.kernels.triton_attention import paged_attention
+from tokenmill.kernels.triton_attention import decode_attention_rope
 from tokenmill.kernels.triton_gemv import GemvConfig, dense_gemv
 from tokenmill.kernels.triton_norm import rms_norm
-from tokenmill.kernels.triton_rope_cache import rope_and_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 512, 1536, 8, 2, 64
 pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
@@ -27,15 +26,14 @@ pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
 def _layer(x: torch.Tensor, w: dict[str, torch.Tensor], case, cos_sin: torch.Tensor,
            slot: torch.Tensor) -> torch.Tensor:
     """One decoder layer at batch 1, every op a Triton kernel of the decode path, the split GEMV included: the
-    first norm a kernel of its own, the second folded into the gate/up GEMV, the residual adds in the o and down
-    GEMVs."""
+    first norm a kernel of its own, the second folded into the gate/up GEMV, decode attention with its rotary and
+    cache write (reading the cache before its wait: EARLY), the residual adds in the o and down GEMVs."""
     h = rms_norm(x, w["norm"], 1e-6)
     qkv = dense_gemv(h, w["qkv"])
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    q = rope_and_cache(case.seq_lens.long() - 1, q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM),
-                       v.view(1, KV_HEADS, HEAD_DIM), cos_sin, case.k_cache, case.v_cache, slot)
-    o = paged_attention(q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables,
-                        case.scale, 1)
+    o = decode_attention_rope(case.seq_lens.long() - 1, q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM),
+                              v.view(1, KV_HEADS, HEAD_DIM), cos_sin, case.k_cache, case.v_cache, slot,
+                              case.seq_lens, case.block_tables, case.scale)
     x = dense_gemv(o.view(1, -1), w["o"], config=GemvConfig(8, 64, split_k=4), residual=x)
     up = dense_gemv(x, w["gate_up"], config=GemvConfig(8, 64, split_k=4), rms_eps=1e-6)
     return dense_gemv(silu_and_mul(up), w["down"], residual=x)

@@ -119,6 +119,13 @@ class KVCacheManager:
         self.chain_tail: dict[str, tuple[KVCacheBlock, int]] = {}
         self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0      # of which found
+        # blocks that a one-token step fills in the step being scheduled: not a prefix hit before the next step,
+        # since decode attention writes the step's token and reads cached tokens in one launch (unordered)
+        self._filled_by_one_token: set[int] = set()
+
+    def begin_step(self) -> None:
+        """A new scheduling pass: blocks filled by the previous step's tokens are written by now."""
+        self._filled_by_one_token.clear()
 
     @property
     def num_blocks(self) -> int:
@@ -160,7 +167,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             block = self.pool.lookup(hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]),
                                      hits[-1] if hits else None)
-            if block is None:
+            if block is None or block.block_id in self._filled_by_one_token:
                 break
             hits.append(block)
         return hits, len(hits) * bs
@@ -183,12 +190,15 @@ class KVCacheManager:
         if need > 0:
             blocks.extend(self.pool.get_new_blocks(need))
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total)
+            self._cache_full_blocks(request, blocks, total, one_token=num_new_tokens == 1)
         return True
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int,
+                           one_token: bool = False) -> None:
         """Register blocks that will be full once this step's tokens are written. Safe because a
-        scheduled request is never unscheduled within its step, and K/V are written before attention."""
+        scheduled request is never unscheduled within its step, and a step's K/V are written before attention
+        reads them: by a kernel of their own, or, for a step of one token a sequence, inside the attention
+        launch, so a block a one-token step fills is no hit until the next step (begin_step)."""
         start = self.num_cached_blocks.get(request.request_id, 0)
         num_full = min(num_tokens, request.num_known_tokens) // self.block_size  # a pending token is hashed later
         if num_full <= start:
@@ -207,6 +217,8 @@ class KVCacheManager:
                                            parent)
             if parent is None:
                 return
+            if one_token and parent is blocks[i]:
+                self._filled_by_one_token.add(parent.block_id)
         self.chain_tail[request.request_id] = (parent, parent.cache_id)
 
     def reserve_slots(self, request: Request, num_tokens: int, keep_free: int = 0) -> bool:

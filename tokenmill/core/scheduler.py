@@ -132,6 +132,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv_cache.begin_step()
         now = self.clock()
         for req in [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]:
             self.finish_request(req, RequestStatus.FINISHED_ABORTED, reason="timeout")

@@ -93,7 +93,7 @@ def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
                                                                       (1, 2))
                 if bn * 64 // (32 * warps) <= 128]
     if kind == INT8 and mode == "unit":  # a per-channel sub-tile is the whole BLOCK_K: 32 to 128 weights a thread
-        return [INT8_CFG] + [GemvConfig(bn, bk, 0, warps, mode, pps, chunk, ahead)
+        return [INT8_CFG] + [GemvConfig(bn, bk, 0, warps, mode, pps, chunk, ahead, early=True)
                 for bn, bk, warps, pps, chunk, ahead in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8),
                                                                           (2, 4), (16, 32), (1, 2))
                 if 32 <= bn * bk // (32 * warps) <= 128]

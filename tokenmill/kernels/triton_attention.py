@@ -99,7 +99,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     attended to by the program of the last partition; the others read only cached tokens. One launch a layer
     less, and at batch 1 one fewer kernel boundary on the critical path.
 
-    EARLY (with ROPE, whose cached tokens no kernel of this step writes): everything but q and the new token is
+    EARLY (with ROPE, whose cached tokens no kernel of this step writes: a block that a one-token step completes
+    is no prefix hit before the next step, KVCacheManager.begin_step): everything but q and the new token is
     read before the PDL wait (lengths, rotary row, table, the first K/V tile), while the QKV projection still
     finishes, and each next tile is loaded while the current one is summed. Small batches, where one program's
     chain of dependent loads is the whole kernel's time."""
