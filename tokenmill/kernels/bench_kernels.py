@@ -74,6 +74,29 @@ def bench_decode(num_seqs: int = 64, ctx: int = 4096, block_size: int = 16, kv_d
                 bytes_moved=kv_bytes)
 
 
+def bench_decode_step(num_seqs: int, ctx: int, table_ctx: int = 0, block_size: int = 16) -> dict:
+    """A decode step's attention as the engine runs it (triton_ops.decode_attention: rotary on q and the new key,
+    its cache write and attention, one launch over a bf16 cache) against the twins' rope_and_cache and
+    paged_attention. table_ctx: block tables as wide as a CUDA-graph runner's (sized for max_model_len)."""
+    width = max(ctx, table_ctx)
+    k_cache, v_cache, tables = _paged_kv(num_seqs, width, block_size)
+    qkv = torch.randn(num_seqs, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=DTYPE, device="cuda")
+    q, k, v = (t.view(num_seqs, -1, HEAD_DIM) for t in qkv.split(
+        [NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1))
+    positions = torch.full((num_seqs,), ctx - 1, dtype=torch.int64, device="cuda")
+    slots = tables[:, (ctx - 1) // block_size].long() * block_size + (ctx - 1) % block_size
+    cos_sin = torch.randn(width, HEAD_DIM, device="cuda")
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    args = (positions, q, k, v, cos_sin, k_cache, v_cache, slots, starts, seq_lens, tables, HEAD_DIM ** -0.5)
+    ms = median_ms(lambda: triton_ops.decode_attention(*args))
+    ref_ms = median_ms(lambda: torch_ref.decode_attention(*args), iters=5, graph=False)
+    kv_bytes = 2 * num_seqs * ctx * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    table = f", {width}-token tables" if table_ctx else ""
+    return _row(f"decode_attention (rotary, cache write{table})", f"{num_seqs} seqs x {ctx} ctx", ms, ref_ms,
+                bytes_moved=kv_bytes)
+
+
 def bench_prefill(seq_len: int = 8192, block_size: int = 16) -> dict:
     k_cache, v_cache, tables = _paged_kv(1, seq_len, block_size)
     q = torch.randn(seq_len, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -158,7 +181,9 @@ def main() -> None:
     torch.manual_seed(0)
     fp8 = torch.float8_e4m3fn
     rows = [bench_decode(), bench_decode(block_size=32), bench_decode(kv_dtype=fp8), bench_decode(256, 1024),
-            bench_decode(256, 1024, kv_dtype=fp8), bench_prefill()]
+            bench_decode(256, 1024, kv_dtype=fp8), bench_decode_step(1, 150, table_ctx=8192),
+            bench_decode_step(1, 4000, table_ctx=8192), bench_decode_step(64, 4096), bench_decode_step(256, 1024),
+            bench_prefill()]
     rows += bench_elementwise(8192) + bench_elementwise(64)
     _print_table(rows)
     if args.out:
