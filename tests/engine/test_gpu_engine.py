@@ -45,8 +45,11 @@ def cpu_tokens(model_dir):
     return tokens(model_dir, device="cpu", dtype="float32")
 
 
+# async scheduling: pending tokens fed inside the decode graphs, and by the eager path in chunked-prefill steps
 @pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(enforce_eager=False), dict(block_size=32),
-                                dict(max_num_batched_tokens=16, enforce_eager=False)])
+                                dict(max_num_batched_tokens=16, enforce_eager=False),
+                                dict(async_scheduling=True), dict(async_scheduling=True, max_num_batched_tokens=16),
+                                dict(async_scheduling=True, enforce_eager=True)], ids=str)
 def test_gpu_greedy_equals_cpu(model_dir, cpu_tokens, kw):
     assert tokens(model_dir, device="cuda", dtype="float32", **kw) == cpu_tokens
 

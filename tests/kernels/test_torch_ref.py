@@ -198,3 +198,15 @@ def test_short_query_runs_attend_like_decode() -> None:
         assert rel_err(out, reference_attention(case)) < 1e-5
     finally:
         torch.set_num_threads(threads)
+
+
+def test_fill_pending_takes_sampled_tokens_where_a_row_has_a_source() -> None:
+    ids = torch.tensor([5, 6, 7, 8, 9])
+    torch_ref.fill_pending(ids, torch.tensor([-1, 2, -1, 0, -1]), torch.tensor([40, 41, 42]))
+    assert ids.tolist() == [5, 42, 7, 40, 9]
+
+
+def test_argmax_into_a_buffer() -> None:
+    buffer = torch.zeros(4, dtype=torch.long)
+    torch_ref.argmax(torch.tensor([[0.0, 3.0, 3.0], [2.0, 1.0, 0.0]]), buffer[:2])
+    assert buffer.tolist() == [1, 0, 0, 0]

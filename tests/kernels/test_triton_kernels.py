@@ -300,3 +300,19 @@ def test_argmax(rows: int, n: int) -> None:
     got = triton_ops.argmax(logits)
     assert got.dtype == torch.long and torch.equal(got, logits.argmax(dim=-1))
     assert counters(got.device, rows).count_nonzero() == 0
+    buffer = torch.full((rows + 2,), -5, dtype=torch.long, device="cuda")
+    assert triton_ops.argmax(logits, buffer[:rows]).data_ptr() == buffer.data_ptr()  # into a caller's buffer
+    assert torch.equal(buffer[:rows], got) and buffer[rows:].tolist() == [-5, -5]
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 700])
+def test_fill_pending(n: int) -> None:
+    """Rows with a source take that sampled token, every other row keeps its id (the twin's answer)."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    ids = torch.randint(0, 1000, (n,), device="cuda", generator=gen)
+    sampled = torch.randint(1000, 2000, (300,), device="cuda", generator=gen)
+    token_src = torch.randint(-300, 300, (n,), device="cuda", generator=gen).clamp(min=-1)
+    expected = ids.clone()
+    torch_ref.fill_pending(expected, token_src, sampled)
+    triton_ops.fill_pending(ids, token_src, sampled)
+    assert torch.equal(ids, expected)

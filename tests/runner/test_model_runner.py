@@ -3,7 +3,11 @@ import pytest
 import torch
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.runner.model_runner import fill_pending, kv_bytes_per_token
+from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.kernels import get_ops
+from tokenmill.request import Request
+from tokenmill.runner.model_runner import LaunchedStep, kv_bytes_per_token, pending_inputs
+from tokenmill.sampling_params import SamplingParams
 
 
 def engine(**kw) -> LLMEngine:
@@ -41,6 +45,25 @@ def test_pool_given_in_tokens():
 def test_pending_tokens_are_filled_without_waiting_for_the_device(no_device_sync) -> None:
     """Async scheduling's tokens still on the device go into the next input with nothing read back."""
     ids = torch.zeros(6, dtype=torch.long, device="cuda")
-    fill_pending(ids, ([1, 4], [2, 0], torch.arange(7, 10, device="cuda")))
+    token_src = torch.full((6,), -1, device="cuda")
+    token_src[1], token_src[4] = 2, 0
+    get_ops("cuda").fill_pending(ids, token_src, torch.arange(7, 10, device="cuda"))
     torch.cuda.set_sync_debug_mode(0)
     assert ids.tolist() == [0, 9, 0, 0, 7, 0]
+
+
+def test_pending_inputs_name_the_rows_that_take_a_token_still_on_the_device() -> None:
+    """A decode row and the last row of a prefill chunk that ends on the pending token take it; a request whose
+    chunk stops short of it keeps its staged ids."""
+    e = engine(max_num_seqs=4, max_model_len=64)
+    reqs = [Request(str(i), list(range(3, 3 + n)), SamplingParams(max_tokens=8)) for i, n in enumerate((4, 6, 5))]
+    for r in reqs:
+        r.append_pending_token()
+    reqs[0].num_computed_tokens = 4   # decode: one new token, the pending one
+    reqs[1].num_computed_tokens = 2   # a chunk of 5 that ends on the pending token (index 6)
+    reqs[2].num_computed_tokens = 0   # a chunk of 3 that stops before it
+    sched = [ScheduledRequest(reqs[0], 1), ScheduledRequest(reqs[1], 5), ScheduledRequest(reqs[2], 3)]
+    out = SchedulerOutput(scheduled=sched)
+    batch = e.runner.prepare_input(out, [[1], [2], [3]])
+    prev = LaunchedStep([reqs[2], reqs[1], reqs[0]], torch.zeros(3, dtype=torch.long), None)
+    assert pending_inputs(out, batch, prev).tolist() == [2, -1, -1, -1, -1, 1, -1, -1, -1]

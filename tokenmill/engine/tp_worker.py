@@ -57,14 +57,12 @@ def replay(runner: ModelRunner) -> None:
     """Run rank 0's messages until it shuts down; a lost or silent rank 0 raises from the collective. Under
     async scheduling a step's input may take tokens rank 0 sampled at the step before, which it broadcasts on
     the device right after sampling them."""
-    sampled: torch.Tensor | None = None
     while True:
         msg = broadcast_object(None)
         if isinstance(msg, ModelInput):
-            pending = None if msg.pending_rows is None else (msg.pending_rows, msg.pending_src, sampled)
-            runner.forward(msg, pending)
+            runner.forward(msg)
             if msg.shares_sampled and len(msg.sample_rows):
-                sampled = broadcast_tensor(torch.empty(len(msg.sample_rows), dtype=torch.long, device=runner.device))
+                broadcast_tensor(runner.sampled[:len(msg.sample_rows)])
         elif isinstance(msg, CollectiveRPC):
             gather_object(msg.fn(runner))
         elif msg == SHUTDOWN:

@@ -27,7 +27,7 @@ from tokenmill.kernels.triton_gemv import (
     DEQUANT_MODES,
     INT4,
     INT8,
-    INT8_CFG,
+    INT8_BITS_CFG,
     WIDE_N,
     GemvConfig,
     default_config,
@@ -85,7 +85,7 @@ def read_ceiling(copies: list[torch.Tensor]) -> float:
 
 def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
     """Tile shapes to search; dequant: the quantized kinds' dequantization (default: the one their wide matrices
-    use; INT8's "unit" grid also holds its committed "bits" tile, which its qkv and o keep)."""
+    use; INT8's "unit" grid also holds its "bits" tile, which float32 activations and unaligned rows run)."""
     mode = "cvt" if kind == DENSE else dequant or default_config(kind, WIDE_N).dequant
     if kind == INT4 and mode == "unit":  # BLOCK_K only sets the split's granularity; a thread holds whole chunks
         return [GemvConfig(bn, 128, 0, warps, mode, pps, chunk, ahead)
@@ -93,7 +93,7 @@ def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
                                                                       (1, 2))
                 if bn * 64 // (32 * warps) <= 128]
     if kind == INT8 and mode == "unit":  # a per-channel sub-tile is the whole BLOCK_K: 32 to 128 weights a thread
-        return [INT8_CFG] + [GemvConfig(bn, bk, 0, warps, mode, pps, chunk, ahead, early=True)
+        return [INT8_BITS_CFG] + [GemvConfig(bn, bk, 0, warps, mode, pps, chunk, ahead, early=True)
                 for bn, bk, warps, pps, chunk, ahead in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8),
                                                                           (2, 4), (16, 32), (1, 2))
                 if 32 <= bn * bk // (32 * warps) <= 128]

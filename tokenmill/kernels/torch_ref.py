@@ -196,9 +196,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The first index of each row's maximum (int64)."""
-    return logits.argmax(dim=-1)
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first index of each row's maximum (int64), written to out if given."""
+    return torch.argmax(logits, dim=-1, out=out)
+
+
+def fill_pending(input_ids: torch.Tensor, token_src: torch.Tensor, sampled: torch.Tensor) -> None:
+    """input_ids[i] = sampled[token_src[i]] where token_src[i] >= 0, in place: async scheduling's tokens that the
+    previous step sampled on the device and the host has not read yet."""
+    input_ids.copy_(torch.where(token_src >= 0, sampled[token_src.clamp(min=0)], input_ids))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -35,10 +35,12 @@ def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, counter_ptr, n, stride_x,
         tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + c, cache_modifier=".cg").to(tl.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [rows, n] (last dim contiguous) -> int64 [rows], the first index of each row's maximum."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [rows, n] (last dim contiguous) -> int64 [rows], the first index of each row's maximum (into out,
+    a contiguous int64 [rows], if given)."""
     rows, n = logits.shape
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
         return out
     if logits.stride(1) != 1:

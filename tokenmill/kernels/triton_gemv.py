@@ -78,13 +78,16 @@ class GemvConfig:
 # as many inputs as outputs (down; bf16: 30.5 against 31.8; INT4: 17.2 against 21.7). INT4's default tile is
 # the best of qkv and o (9.0 and 7.2 us against 11.4 and 8.6 with the 64-row tile): since a K split costs no
 # second launch, wide tiles split many ways win. INT8 "unit" (searched over 12 tiles, 2026-11-30): gate/up 30.6 us
-# (90% of copy) against 35.2 with "bits", down 18.0 against 18.7; qkv and o stay "bits" (10.4 and 7.0 us; "unit"
-# took 10.1-16.8 and 7.7-10.7).
+# (90% of copy) against 35.2 with "bits", down 18.0 against 18.7. qkv and o lost on "unit" alone (10.1-16.8 and
+# 7.7-10.7 us against 10.4 and 7.0), but with `early` the gate/up tile serves them too: batch-1 INT8 decode 399.0
+# tokens/s against 396.1 (64 rows: 390.9; 32 rows and 2 or 8 programs a multiprocessor: 395.5, 384.5). "bits"
+# stays for float32 activations and rows "unit" cannot load as 16-byte words.
 DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
 DENSE_WIDE_CFG = GemvConfig(16, 256, num_warps=4, dequant="cvt", programs_per_sm=2)
 DENSE_DEEP_CFG = GemvConfig(4, 512, num_warps=8, dequant="cvt", programs_per_sm=2)
-INT8_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
-INT8_WIDE_CFG = GemvConfig(32, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True)
+INT8_CFG = GemvConfig(32, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True)
+INT8_WIDE_CFG = INT8_CFG
+INT8_BITS_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
 INT8_DEEP_CFG = GemvConfig(64, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True)
 INT4_CFG = GemvConfig(256, 128, num_warps=8, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
@@ -415,7 +418,7 @@ def default_config(kind: int, n: int = 0, *, k: int = 0, dtype: torch.dtype = to
     if kind == INT4 and dtype == torch.float32:
         return INT4_FP32_CFG
     if kind == INT8 and dtype == torch.float32:
-        return INT8_FP32_WIDE_CFG if n >= WIDE_N else INT8_CFG
+        return INT8_FP32_WIDE_CFG if n >= WIDE_N else INT8_BITS_CFG
     if n >= WIDE_N:
         return (DENSE_WIDE_CFG, INT8_WIDE_CFG, INT4_WIDE_CFG)[kind]
     if k >= 2 * n > 0:
@@ -451,7 +454,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     cfg = cfg or default_config(kind, n, k=k, dtype=x.dtype)
     unit = _unit(kind, cfg, w, k)
     if not given and cfg.dequant == "unit" and not unit:
-        cfg = INT8_CFG  # an INT8 "unit" tile whose rows are not whole 16-byte blocks: the tuned "bits" one
+        cfg = INT8_BITS_CFG  # an INT8 "unit" tile whose rows are not whole 16-byte blocks: the tuned "bits" one
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()

@@ -13,11 +13,13 @@ from tokenmill.kernels.triton_activation import silu_and_mul
 from tokenmill.kernels.triton_argmax import argmax
 from tokenmill.kernels.triton_gemv import dense_gemv
 from tokenmill.kernels.triton_norm import rms_norm
+from tokenmill.kernels.triton_pending import fill_pending
 from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
 __all__ = [
     "argmax",
     "decode_attention",
+    "fill_pending",
     "linear",
     "paged_attention",
     "rms_norm",

@@ -1,13 +1,14 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured once with padding, all
 sharing one memory pool. A decode step of b requests replays the smallest bucket >= b.
 
-The graphs read their inputs from one device buffer with a fixed layout (token ids, positions, slots, context
-lengths, block tables), filled by a single copy from its pinned host twin, so a step costs one copy and one
-graph launch of host time."""
+The graphs read their inputs from one device buffer with a fixed layout (token ids, positions, slots, the rows
+of async scheduling's pending tokens, context lengths, block tables), filled by a single copy from its pinned
+host twin, so a step costs one copy and one graph launch of host time. A graph's first kernel puts the tokens
+the previous step sampled (the runner's `sampled` buffer) in place of their placeholders."""
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,10 +32,10 @@ class CUDAGraphRunner:
         self.buckets = batch_buckets(max_num_seqs)
         n, width = self.buckets[-1], runner.max_blocks_per_seq
         # Layout of the input buffer; the block tables come last so a bucket copies only its own rows.
-        self.tables_at, self.row_bytes = 24 * n + 8 * -(-n // 2), 4 * width
+        self.tables_at, self.row_bytes = 32 * n + 8 * -(-n // 2), 4 * width
         layout = {"input_ids": (0, torch.int64, (n,)), "positions": (8 * n, torch.int64, (n,)),
-                  "slot_mapping": (16 * n, torch.int64, (n,)), "seq_lens": (24 * n, torch.int32, (n,)),
-                  "block_tables": (self.tables_at, torch.int32, (n, width))}
+                  "slot_mapping": (16 * n, torch.int64, (n,)), "token_src": (24 * n, torch.int64, (n,)),
+                  "seq_lens": (32 * n, torch.int32, (n,)), "block_tables": (self.tables_at, torch.int32, (n, width))}
         self.staging = StagingBuffer(runner.device, self.tables_at + n * self.row_bytes)
         self.host = {k: self.staging.host_view(*spec) for k, spec in layout.items()}
         self.dev = {k: self.staging.view(*spec) for k, spec in layout.items()}
@@ -52,6 +53,7 @@ class CUDAGraphRunner:
         """Rows start..end of the host buffer become padding: token 0 at position 0, no cache write, context 1."""
         h = self.host
         h["input_ids"][start:end] = 0
+        h["token_src"][start:end] = -1
         h["positions"][start:end] = 0
         h["slot_mapping"][start:end] = -1
         h["seq_lens"][start:end] = 1
@@ -65,16 +67,21 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        model = self.runner.model
-        ids, positions = self.dev["input_ids"], self.dev["positions"]
+        runner = self.runner
+        ids, positions, token_src = self.dev["input_ids"], self.dev["positions"], self.dev["token_src"]
+
+        def step(b: int) -> torch.Tensor:
+            runner.fill_pending(ids[:b], token_src[:b], runner.sampled)
+            return runner.model(ids[:b], positions[:b])
+
         for b in reversed(self.buckets):
             meta = self._meta(b)
             with forward_context(meta):
-                model(ids[:b], positions[:b])  # warm-up: compiles kernels for this shape
+                step(b)  # warm-up: compiles kernels for this shape
                 torch.cuda.synchronize()
                 graph = self.graphs[b] = torch.cuda.CUDAGraph()  # held before capture, so release() sees it
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[b] = model(ids[:b], positions[:b])
+                    self.outputs[b] = step(b)
             if self.pool is None:
                 self.pool = graph.pool()
         torch.cuda.synchronize()
@@ -91,16 +98,15 @@ class CUDAGraphRunner:
         return (bool(self.graphs) and len(batch.seq_lens) <= self.buckets[-1]
                 and batch.block_tables.shape[1] <= self.host["block_tables"].shape[1])
 
-    def replay(self, batch: "ModelInput", patch_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        """Hidden states of the batch's rows (a view into the graph's output, valid until the next replay).
-        patch_ids may change the token ids on the device after they are copied (async scheduling's pending
-        tokens)."""
+    def replay(self, batch: "ModelInput") -> torch.Tensor:
+        """Hidden states of the batch's rows (a view into the graph's output, valid until the next replay)."""
         n = len(batch.seq_lens)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         w = batch.block_tables.shape[1]
         self.staging.wait_host_free()
         h = self.host
         h["input_ids"][:n] = batch.input_ids
+        h["token_src"][:n] = -1 if batch.token_src is None else batch.token_src
         h["positions"][:n] = batch.positions
         h["slot_mapping"][:n] = batch.slot_mapping
         h["seq_lens"][:n] = batch.seq_lens
@@ -108,6 +114,5 @@ class CUDAGraphRunner:
         h["block_tables"][:n, w:] = 0
         self._pad(n, b)
         self.staging.copy(self.tables_at + b * self.row_bytes)
-        patch_ids(self.dev["input_ids"][:n])
         self.graphs[b].replay()
         return self.outputs[b][:n]

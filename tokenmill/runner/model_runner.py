@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.config import EngineArgs, ModelConfig
 from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.kernels import get_ops
 from tokenmill.distributed import all_reduce_min, broadcast_object, broadcast_tensor, tp_size
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
 from tokenmill.layers.linear import kv_heads_per_rank
@@ -20,7 +21,7 @@ from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare
 from tokenmill.request import Request
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput
-from tokenmill.runner.staging import StagingBuffer, device_tensor
+from tokenmill.runner.staging import StagingBuffer
 from tokenmill.spec.rejection_sampler import RejectionSampler, VerifyOutput
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
@@ -38,13 +39,10 @@ class LaunchedStep:
     Their copy to the host is queued right after sampling, before the next step's kernels, so reading them
     back waits for this step only."""
 
-    reqs: list[Request]                 # the sampled requests, in row order
-    tokens: torch.Tensor                # [len(reqs)] on the device
+    reqs: list[Request]                 # the sampled requests, in row order; their tokens are the first rows
+                                        # of the runner's `sampled` buffer until the next launch
     host_tokens: torch.Tensor           # their copy on the host (pinned on CUDA), valid once `ready`
     ready: torch.cuda.Event | None      # recorded after the copy (None on the CPU: already there)
-
-
-PendingInputs = tuple[list[int], list[int], torch.Tensor]  # input rows, rows of the previous step's tokens, tokens
 
 
 @dataclass
@@ -60,10 +58,10 @@ class ModelInput:
     sample_rows: np.ndarray      # rows whose logits are sampled, int64
     max_query_len: int
     max_seq_len: int
-    # async scheduling under tensor parallelism: the input rows whose token the previous step sampled on rank 0
-    # and the rows of that step's tokens they take, and whether rank 0 broadcasts this step's sampled tokens
-    pending_rows: list[int] | None = None
-    pending_src: list[int] | None = None
+    # async scheduling: for each input row, the row of the previous step's sampled tokens (still on the
+    # device) that replaces its placeholder id, or -1; None if no row takes one. shares_sampled: under tensor
+    # parallelism rank 0 broadcasts this step's sampled tokens into every rank's `sampled` buffer
+    token_src: np.ndarray | None = None
     shares_sampled: bool = False
 
 
@@ -90,6 +88,9 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, device, args.seed)
         self.rejection_sampler = RejectionSampler(self.sampler) if args.speculative else None
         self.staging = StagingBuffer(device) if device.type == "cuda" else None
+        self.fill_pending = get_ops(device).fill_pending
+        # async scheduling samples into this fixed buffer, so a decode graph can read the tokens it feeds back
+        self.sampled = torch.zeros(args.max_num_seqs, dtype=torch.long, device=device)
         self.graphs: CUDAGraphRunner | None = None
         if device.type == "cuda" and not args.enforce_eager:
             self.graphs = CUDAGraphRunner(self, args.max_num_seqs)
@@ -227,19 +228,19 @@ class ModelRunner:
         reqs = [s.request for s in out.scheduled if s.samples]
         tokens = None
         try:
-            tokens = torch.empty(0, dtype=torch.long, device=self.device) if logits is None else \
-                self.sampler.sample(logits, reqs)[0]
+            tokens = self.sampled[:0] if logits is None else \
+                self.sampler.sample(logits, reqs, out=self.sampled[:len(reqs)])[0]
         finally:  # the other ranks wait for this step's tokens (to feed the next step's input): even if sampling
             if self.tp_size > 1 and len(reqs):  # failed here, so that the group's collectives stay in step
                 broadcast_tensor(torch.zeros(len(reqs), dtype=torch.long, device=self.device) if tokens is None
                                  else tokens)
         if self.device.type != "cuda":
-            return LaunchedStep(reqs, tokens, tokens, None)
+            return LaunchedStep(reqs, tokens.clone(), None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(reqs, tokens, host, ready)
+        return LaunchedStep(reqs, host, ready)
 
     def read_back(self, step: LaunchedStep) -> list[int]:
         """A launched step's tokens on the host (waits for that step, not for any launched after it)."""
@@ -256,31 +257,31 @@ class ModelRunner:
             raise RuntimeError(f"this runner was built for {self.tp_size} tensor-parallel rank(s) but the process now "
                                f"runs a group of {tp_size()}: one engine at a time when tensor parallelism is on")
         batch = self.prepare_input(out, block_ids)
-        pending = None if prev is None else pending_inputs(out, batch, prev)
-        if pending is not None:
-            batch.pending_rows, batch.pending_src = pending[0], pending[1]
+        if prev is not None:
+            batch.token_src = pending_inputs(out, batch, prev)
         batch.shares_sampled = shares_sampled
-        return self.forward_all_ranks(batch, pending)
+        return self.forward_all_ranks(batch)
 
-    def forward_all_ranks(self, batch: ModelInput, pending: PendingInputs | None = None) -> torch.Tensor | None:
+    def forward_all_ranks(self, batch: ModelInput) -> torch.Tensor | None:
         """forward() here, and on every other tensor-parallel rank (engine/tp_worker.py replays the batch)."""
         if self.tp_size > 1:
             broadcast_object(batch)
-        return self.forward(batch, pending)
+        return self.forward(batch)
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput, pending: PendingInputs | None = None) -> torch.Tensor | None:
-        """The forward of one flat batch; logits of its sample rows, None if there are none. `pending` names the
-        input rows whose token is still on the device, and where to take it from."""
+    def forward(self, batch: ModelInput) -> torch.Tensor | None:
+        """The forward of one flat batch; logits of its sample rows, None if there are none."""
         num_seqs = len(batch.seq_lens)
         if self.graphs is not None and batch.max_query_len == 1 and self.graphs.fits(batch):
-            hidden = self.graphs.replay(batch, lambda ids: fill_pending(ids, pending))
+            hidden = self.graphs.replay(batch)
             sample_rows = None if len(batch.sample_rows) == num_seqs else self._to_device([batch.sample_rows])[0]
         else:
-            ids, positions, slots, qsl, seq_lens, tables, sample_rows = self._to_device([
+            pending = [] if batch.token_src is None else [batch.token_src]
+            ids, positions, slots, qsl, seq_lens, tables, sample_rows, *token_src = self._to_device([
                 batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
-                batch.block_tables, batch.sample_rows])
-            fill_pending(ids, pending)
+                batch.block_tables, batch.sample_rows, *pending])
+            if token_src:
+                self.fill_pending(ids, token_src[0], self.sampled)
             meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
                                      max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
             with forward_context(meta):
@@ -296,21 +297,16 @@ class ModelRunner:
         return self.staging.to_device(arrays)
 
 
-def pending_inputs(out: SchedulerOutput, batch: ModelInput, prev: LaunchedStep) -> PendingInputs | None:
-    """The input rows of this step that hold a token `prev` sampled and the host has not read yet."""
+def pending_inputs(out: SchedulerOutput, batch: ModelInput, prev: LaunchedStep) -> np.ndarray | None:
+    """ModelInput.token_src: the input rows of this step that hold a token `prev` sampled and the host has not
+    read yet, each with the row of `prev`'s tokens it takes."""
     row_of = {id(r): i for i, r in enumerate(prev.reqs)}
-    rows, src = [], []
+    token_src = None
     for i, s in enumerate(out.scheduled):
         r = s.request
         offset = r.num_tokens - 1 - r.num_computed_tokens  # the pending token is always the last one
         if r.has_pending_token and 0 <= offset < s.num_new_tokens - s.num_spec_tokens:
-            rows.append(int(batch.query_start_loc[i]) + offset)
-            src.append(row_of[id(r)])
-    return (rows, src, prev.tokens) if rows else None
-
-
-def fill_pending(input_ids: torch.Tensor, pending: PendingInputs | None) -> None:
-    if pending is not None:
-        rows, src, tokens = pending
-        dev = input_ids.device
-        input_ids[device_tensor(rows, torch.long, dev)] = tokens[device_tensor(src, torch.long, dev)]
+            if token_src is None:
+                token_src = np.full(len(batch.input_ids), -1, dtype=np.int64)
+            token_src[int(batch.query_start_loc[i]) + offset] = row_of[id(r)]
+    return token_src

@@ -76,16 +76,19 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, reqs))
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample(self, logits: torch.Tensor, reqs: list[Request],
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens (and raw logprobs if asked) on the device, nothing read back: async scheduling feeds the
-        tokens to the next step before the host sees them."""
+        tokens to the next step before the host sees them (from out, a fixed buffer a CUDA graph reads)."""
         logits, raw_logprobs = self.process(logits, reqs)
         params = [r.sampling_params for r in reqs]
-        tokens = self.argmax(logits)
+        tokens = self.argmax(logits, out)
         if not all(p.greedy for p in params):
             greedy = device_tensor([p.greedy for p in params], torch.bool, logits.device)
             sampled = self.race(self.probs(logits, params), reqs)
             tokens = torch.where(greedy, tokens, sampled)
+            if out is not None:
+                tokens = out.copy_(tokens)
         return tokens, raw_logprobs
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
