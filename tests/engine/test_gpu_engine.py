@@ -54,6 +54,11 @@ def test_gpu_greedy_equals_cpu(model_dir, cpu_tokens, kw):
     assert tokens(model_dir, device="cuda", dtype="float32", **kw) == cpu_tokens
 
 
+def test_draft_speculation_with_graphs_keeps_greedy_tokens(model_dir, cpu_tokens):
+    """The draft model's one-token steps replay its own decode graphs (the LM head inside them)."""
+    assert tokens(model_dir, device="cuda", dtype="float32", speculative=f"draft:{model_dir}") == cpu_tokens
+
+
 # int4: decode batches of 2..8 run the tensor-core kernel; with the LM head quantized it writes float32 logits
 @pytest.mark.parametrize("quant", [{}, dict(quantization="int4"), dict(quantization="int4", quantize_lm_head=True),
                                    dict(quantization="int8", quantize_lm_head=True)], ids=str)

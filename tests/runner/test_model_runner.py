@@ -7,6 +7,7 @@ from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.kernels import get_ops
 from tokenmill.request import Request
 from tokenmill.runner.model_runner import LaunchedStep, kv_bytes_per_token, pending_inputs
+from tokenmill.runner.staging import device_tensor
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -45,8 +46,7 @@ def test_pool_given_in_tokens():
 def test_pending_tokens_are_filled_without_waiting_for_the_device(no_device_sync) -> None:
     """Async scheduling's tokens still on the device go into the next input with nothing read back."""
     ids = torch.zeros(6, dtype=torch.long, device="cuda")
-    token_src = torch.full((6,), -1, device="cuda")
-    token_src[1], token_src[4] = 2, 0
+    token_src = device_tensor([-1, 2, -1, -1, 0, -1], torch.long, torch.device("cuda"))
     get_ops("cuda").fill_pending(ids, token_src, torch.arange(7, 10, device="cuda"))
     torch.cuda.set_sync_debug_mode(0)
     assert ids.tolist() == [0, 9, 0, 0, 7, 0]

@@ -4,7 +4,8 @@ sharing one memory pool. A decode step of b requests replays the smallest bucket
 The graphs read their inputs from one device buffer with a fixed layout (token ids, positions, slots, the rows
 of async scheduling's pending tokens, context lengths, block tables), filled by a single copy from its pinned
 host twin, so a step costs one copy and one graph launch of host time. A graph's first kernel puts the tokens
-the previous step sampled (the runner's `sampled` buffer) in place of their placeholders."""
+the previous step sampled (the runner's `sampled` buffer) in place of their placeholders. Graphs of small
+buckets end with the LM head, so that it starts as the last layer ends instead of after the host launches it."""
 from __future__ import annotations
 
 import bisect
@@ -18,6 +19,11 @@ from tokenmill.runner.staging import StagingBuffer
 
 if TYPE_CHECKING:
     from tokenmill.runner.model_runner import ModelInput, ModelRunner
+
+
+# Buckets up to this size also run the LM head (float32 logits: 8 MB at 16 rows of Llama-3's 128,256 tokens;
+# a batch-256 bucket would hold 131 MB for a boundary that is a thousandth of its step).
+LOGITS_MAX_BATCH = 16
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -72,7 +78,8 @@ class CUDAGraphRunner:
 
         def step(b: int) -> torch.Tensor:
             runner.fill_pending(ids[:b], token_src[:b], runner.sampled)
-            return runner.model(ids[:b], positions[:b])
+            hidden = runner.model(ids[:b], positions[:b])
+            return runner.model.compute_logits(hidden) if b <= LOGITS_MAX_BATCH else hidden
 
         for b in reversed(self.buckets):
             meta = self._meta(b)
@@ -98,8 +105,9 @@ class CUDAGraphRunner:
         return (bool(self.graphs) and len(batch.seq_lens) <= self.buckets[-1]
                 and batch.block_tables.shape[1] <= self.host["block_tables"].shape[1])
 
-    def replay(self, batch: "ModelInput") -> torch.Tensor:
-        """Hidden states of the batch's rows (a view into the graph's output, valid until the next replay)."""
+    def replay(self, batch: "ModelInput") -> tuple[torch.Tensor, bool]:
+        """The batch's rows of the graph's output (a view, valid until the next replay), and whether they are
+        logits (buckets up to LOGITS_MAX_BATCH) rather than hidden states."""
         n = len(batch.seq_lens)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         w = batch.block_tables.shape[1]
@@ -115,4 +123,4 @@ class CUDAGraphRunner:
         self._pad(n, b)
         self.staging.copy(self.tables_at + b * self.row_bytes)
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.outputs[b][:n], b <= LOGITS_MAX_BATCH

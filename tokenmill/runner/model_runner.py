@@ -273,8 +273,11 @@ class ModelRunner:
         """The forward of one flat batch; logits of its sample rows, None if there are none."""
         num_seqs = len(batch.seq_lens)
         if self.graphs is not None and batch.max_query_len == 1 and self.graphs.fits(batch):
-            hidden = self.graphs.replay(batch)
+            out, is_logits = self.graphs.replay(batch)
             sample_rows = None if len(batch.sample_rows) == num_seqs else self._to_device([batch.sample_rows])[0]
+            if is_logits and len(batch.sample_rows):
+                return out if sample_rows is None else out[sample_rows]
+            hidden = out
         else:
             pending = [] if batch.token_src is None else [batch.token_src]
             ids, positions, slots, qsl, seq_lens, tables, sample_rows, *token_src = self._to_device([
