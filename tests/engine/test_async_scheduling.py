@@ -79,3 +79,38 @@ def test_abort_while_a_token_is_on_the_device(engines) -> None:
     assert len(finished["b"].outputs[0].token_ids) == 6
     engine.step()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks
+
+
+def test_a_failed_launch_feeds_no_stale_token(engines, monkeypatch) -> None:
+    """Sampling writes the greedy rows into the runner's `sampled` buffer before it draws the others; when it
+    fails after that, the step in flight is read back from its own copy and the next launch takes nothing from
+    the buffer: stepping on gives the synchronous engine's tokens."""
+    ids = chat_ids(engines[True], QUESTIONS[1])
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)]
+    want = [o.outputs[0].token_ids for o in engines[False].generate([ids, ids], params)]
+    engine = engines[True].llm_engine
+    engine.add_request("greedy", ids, params[0])
+    engine.add_request("seeded", ids, params[1])
+    finished = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+
+    while engine._in_flight is None or min(r.num_output_tokens for r in engine.scheduler.running) < 3:
+        step()
+    sampler = engine.runner.sampler
+    race = sampler.race
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(sampler, "race", race)
+        raise RuntimeError("injected")
+    monkeypatch.setattr(sampler, "race", fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    assert [finished["greedy"], finished["seeded"]] == want
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks

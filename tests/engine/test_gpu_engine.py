@@ -55,8 +55,33 @@ def test_gpu_greedy_equals_cpu(model_dir, cpu_tokens, kw):
 
 
 def test_draft_speculation_with_graphs_keeps_greedy_tokens(model_dir, cpu_tokens):
-    """The draft model's one-token steps replay its own decode graphs (the LM head inside them)."""
-    assert tokens(model_dir, device="cuda", dtype="float32", speculative=f"draft:{model_dir}") == cpu_tokens
+    """The draft model's one-token steps replay its own decode graphs (the LM head inside them). The draft is the
+    target itself, so its drafts are accepted: logits of another row or an earlier replay would not be."""
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="float32",
+              speculative=f"draft:{model_dir}")
+    engine = llm.llm_engine
+    engine.spec.adaptive = False
+    assert engine.spec.proposer.runner.graphs is not None
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    stats = engine.get_stats()
+    del llm, engine
+    release()
+    assert got == cpu_tokens
+    assert stats["spec_num_accepted_tokens"] >= 0.9 * stats["spec_num_draft_tokens"] > 0
+
+
+# async scheduling with more sequences than the largest bucket that holds the LM head (16): graphs that return
+# hidden states take their pending tokens too
+def test_async_graphs_beyond_the_logits_buckets(model_dir):
+    prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(24)]
+    kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_num_seqs=32)
+    want = [o.outputs[0].token_ids for o in LLM(device="cpu", **kw).generate(prompts, GREEDY)]
+    llm = LLM(device="cuda", async_scheduling=True, **kw)
+    assert max(llm.llm_engine.runner.graphs.buckets) > 16
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    del llm
+    release()
+    assert got == want
 
 
 # int4: decode batches of 2..8 run the tensor-core kernel; with the LM head quantized it writes float32 logits

@@ -147,6 +147,19 @@ def test_linear_normalizes_adds_and_casts_beyond_one_row() -> None:
     assert got.dtype == torch.float32 and rel_err(got, want) < TOL[torch.bfloat16]
 
 
+def test_linear_writes_float32_logits_unrounded_beyond_one_row() -> None:
+    """The LM head's call (float32 out, no bias or residual) keeps cuBLAS's float32 sums: closer to float64 than
+    the twin's bf16 result converted, and not a multiple of bf16's steps."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    w = torch.randn(3000, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
+    x = torch.randn(2, 7, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
+    want = torch_ref.linear(x.double(), w.double())
+    got = triton_ops.linear(x, w, out_dtype=torch.float32)
+    rounded = torch_ref.linear(x, w, out_dtype=torch.float32)
+    assert got.shape == (2, 7, 3000) and got.dtype == torch.float32
+    assert rel_err(got, want) < rel_err(rounded, want) / 10
+
+
 def test_strided_inputs() -> None:
     """A column of a wider activation and a transposed weight view give the contiguous answer."""
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -309,10 +309,12 @@ def test_argmax(rows: int, n: int) -> None:
 def test_fill_pending(n: int) -> None:
     """Rows with a source take that sampled token, every other row keeps its id (the twin's answer)."""
     gen = torch.Generator(device="cuda").manual_seed(n)
-    ids = torch.randint(0, 1000, (n,), device="cuda", generator=gen)
+    buffer = torch.full((n + 300,), -5, dtype=torch.long, device="cuda")  # rows past n must stay as they are
+    ids = buffer[:n]
+    ids.copy_(torch.randint(0, 1000, (n,), device="cuda", generator=gen))
     sampled = torch.randint(1000, 2000, (300,), device="cuda", generator=gen)
-    token_src = torch.randint(-300, 300, (n,), device="cuda", generator=gen).clamp(min=-1)
+    token_src = torch.randint(-300, 300, (n + 300,), device="cuda", generator=gen).clamp(min=-1)
     expected = ids.clone()
-    torch_ref.fill_pending(expected, token_src, sampled)
-    triton_ops.fill_pending(ids, token_src, sampled)
-    assert torch.equal(ids, expected)
+    torch_ref.fill_pending(expected, token_src[:n], sampled)
+    triton_ops.fill_pending(ids, token_src[:n], sampled)
+    assert torch.equal(ids, expected) and bool((buffer[n:] == -5).all())

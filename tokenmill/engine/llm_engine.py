@@ -215,7 +215,13 @@ class LLMEngine:
             self._pending[req.parent_id] = self.child_to_group[req.request_id]
         if not out.is_empty and self._can_launch_ahead(out):
             with self._watch_workers():
-                launched = self.runner.launch(out, self._block_ids(out), self._in_flight)
+                try:
+                    launched = self.runner.launch(out, self._block_ids(out), self._in_flight)
+                except BaseException:
+                    # sampling may have overwritten the runner's `sampled` buffer before failing: the step in
+                    # flight is read back from its own host copy, so the next launch takes no token from it
+                    self._read_back_in_flight()
+                    raise
                 self._read_back_in_flight()
             self.scheduler.update_from_output(out, {})
             for req in launched.reqs:

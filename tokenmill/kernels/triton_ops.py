@@ -34,11 +34,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch_ref.linear. One row in 16 bits (batch-1 decode): the Triton GEMV, which reads small matrices faster
     than cuBLAS (docs/BENCHMARKS.md) and normalizes, adds the residual and casts in the same launch; anything
-    else: the norm kernel, then cuBLAS."""
-    if x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16):
+    else: the norm kernel, then cuBLAS, which writes float32 from 16-bit inputs itself (the LM head's logits: no
+    rounding to 16 bits, as in the GEMV, and no conversion pass over them, 0.1 ms a step at batch 256)."""
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    if x.numel() == x.shape[-1] and half:
         return dense_gemv(x, weight, bias, rms_eps=rms_eps, residual=residual, out_dtype=out_dtype)
     if rms_eps is not None:
         x = rms_norm(x, None, rms_eps)
+    if out_dtype == torch.float32 and half and bias is None and residual is None:
+        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        return y.view(*x.shape[:-1], weight.shape[0])
     return torch_ref.linear(x, weight, bias, residual=residual, out_dtype=out_dtype)
 
 

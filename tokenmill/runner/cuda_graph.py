@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from tokenmill.runner.model_runner import ModelInput, ModelRunner
 
 
-# Buckets up to this size also run the LM head (float32 logits: 8 MB at 16 rows of Llama-3's 128,256 tokens;
-# a batch-256 bucket would hold 131 MB for a boundary that is a thousandth of its step).
+# Buckets up to this size also run the LM head. Their float32 logits stay in the graph pool: 31 rows over the
+# buckets 1-16, 16 MB for Llama-3's 128,256 tokens, beside the pool's activations (outside the KV budget, like
+# them); a batch-256 bucket would hold 131 MB more for a boundary that is a thousandth of its step.
 LOGITS_MAX_BATCH = 16
 
 
