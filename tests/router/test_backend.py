@@ -1,6 +1,7 @@
 """Backend.poll's verdicts from /health answers alone (httpx's mock transport, no server): a backend whose health
-checks time out is dead unless its requests in flight are still receiving bytes, in which case it only stops
-taking new requests; a slow /metrics (it waits for the engine's step) is no verdict at all."""
+checks time out is dead unless its requests in flight are still receiving bytes or its /health answers come late,
+in which case it only stops taking new requests; a slow /metrics (it waits for the engine's step) is no verdict
+at all."""
 from __future__ import annotations
 
 import asyncio
@@ -63,3 +64,18 @@ def test_slow_metrics_keep_a_healthy_backend_and_its_last_load() -> None:
         return answers(request) if request.url.path == "/health" else hangs(request)
     poll_with(backend, slow_metrics, 3 * DOWN_AFTER_TIMEOUTS)
     assert backend.healthy and not backend.dead.is_set() and backend.running == 3.0
+
+
+def test_backend_whose_health_answers_come_late_is_only_taken_out_of_rotation() -> None:
+    """A busy server (a CPU engine holding the interpreter) answers /health after the timeout: alive, though no
+    stream shows it (its requests in flight may all be non-streaming), so they are not failed."""
+    backend = Backend("http://b", "default")
+    poll_with(backend, answers)
+
+    async def late(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.75)  # after one 0.5 s timeout, before the next poll's verdict
+        return answers(request)
+    poll_with(backend, late, DOWN_AFTER_TIMEOUTS)
+    assert not backend.healthy and not backend.dead.is_set()
+    poll_with(backend, answers)
+    assert backend.healthy

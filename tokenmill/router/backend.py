@@ -29,10 +29,12 @@ class Backend:
         self.waiting = 0.0
         self.kv_usage = 0.0
         self._timeouts = 0
-        self._last_progress = float("-inf")  # time.monotonic() of the last bytes a request in flight got from it
+        self._last_progress = float("-inf")  # time.monotonic() it last showed it is alive (see progressed)
+        self._late_checks: set[asyncio.Future] = set()  # /health requests past their timeout, still waited for
 
     def progressed(self) -> None:
-        """A request in flight on it just received bytes: it is alive, however slowly it answers /health."""
+        """A request in flight on it just received bytes, or a /health answer came after its timeout: it is alive,
+        however slowly it answers /health."""
         self._last_progress = time.monotonic()
 
     def load(self) -> float:
@@ -65,11 +67,12 @@ class Backend:
         """/health, then /metrics while healthy. A refused connection is a dead backend at once; a hung one is
         dead after a few timeouts; a non-200 /health (draining) only stops new requests. So does a run of timeouts
         while its streams still deliver: a busy server (a CPU engine holding the interpreter) can be slow to answer
-        /health, and failing the requests it is serving would lose work that was progressing. Only /health
-        decides: a server's /metrics waits for its engine's current step (seconds for a long prefill on a CPU),
-        so a slow one leaves the last load reading in place."""
+        /health, and failing the requests it is serving would lose work that was progressing. A /health answer
+        that comes after its timeout is such a sign too, the only one a backend serving non-streaming requests
+        gives. Only /health decides: a server's /metrics waits for its engine's current step (seconds for a long
+        prefill on a CPU), so a slow one leaves the last load reading in place."""
         try:
-            health = await client.get(self.url + "/health", timeout=timeout)
+            health = await self._check_health(client, timeout)
             if health.status_code == 200:
                 await self._poll_load(client, timeout)
         except httpx.TimeoutException:
@@ -79,12 +82,32 @@ class Backend:
             if time.monotonic() - self._last_progress < DOWN_AFTER_TIMEOUTS * timeout:
                 self.set_unavailable()
             else:
-                self._set_dead(f"{self._timeouts} health checks timed out, no response bytes since")
+                self._set_dead(f"{self._timeouts} health checks timed out, no response bytes or late answers since")
             return
         except httpx.HTTPError as e:
             self._set_dead(f"{type(e).__name__}: {e}")
             return
         self._set_reachable(health.status_code == 200)
+
+    async def _check_health(self, client: httpx.AsyncClient, timeout: float) -> httpx.Response:
+        """/health's answer within timeout, else TimeoutException; the request itself goes on for the timeouts that
+        would declare the backend dead, and an answer that lands meanwhile counts as progress."""
+        check = asyncio.ensure_future(client.get(self.url + "/health", timeout=DOWN_AFTER_TIMEOUTS * timeout))
+        try:
+            done, _ = await asyncio.wait({check}, timeout=timeout)
+        except asyncio.CancelledError:  # the router shuts down
+            check.cancel()
+            raise
+        if not done:
+            self._late_checks.add(check)  # the event loop keeps only a weak reference to a task
+            check.add_done_callback(self._late_answer)
+            raise httpx.TimeoutException(f"/health did not answer within {timeout} s")
+        return check.result()
+
+    def _late_answer(self, check: asyncio.Future) -> None:
+        self._late_checks.discard(check)
+        if not check.cancelled() and check.exception() is None:
+            self.progressed()
 
     async def _poll_load(self, client: httpx.AsyncClient, timeout: float) -> None:
         try:
