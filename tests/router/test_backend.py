@@ -13,10 +13,11 @@ from tokenmill.router.backend import DOWN_AFTER_TIMEOUTS, Backend
 METRICS = "# TYPE tokenmill:num_requests_running gauge\ntokenmill:num_requests_running 3.0\n"
 
 
-def poll_with(backend: Backend, handler, polls: int = 1) -> None:
+def poll_with(backend: Backend, handler, polls: int = 1, interval: float = 0.0) -> None:
     async def run() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            for _ in range(polls):
+            for i in range(polls):
+                await asyncio.sleep(interval if i else 0.0)
                 await backend.poll(client, timeout=0.5)
     asyncio.run(run())
 
@@ -68,14 +69,21 @@ def test_slow_metrics_keep_a_healthy_backend_and_its_last_load() -> None:
 
 def test_backend_whose_health_answers_come_late_is_only_taken_out_of_rotation() -> None:
     """A busy server (a CPU engine holding the interpreter) answers /health after the timeout: alive, though no
-    stream shows it (its requests in flight may all be non-streaming), so they are not failed."""
+    stream shows it (its requests in flight may all be non-streaming), so they are not failed; whatever the poll
+    interval (here longer than the timeout, so the late answer is older than two timeouts at the verdict). Once
+    the checks of a run stop answering at all, it is dead."""
     backend = Backend("http://b", "default")
     poll_with(backend, answers)
+    calls = []
 
-    async def late(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0.75)  # after one 0.5 s timeout, before the next poll's verdict
+    async def late_then_silent(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        await asyncio.sleep(0.55 if len(calls) == 1 else 30.0)  # the first answers 0.05 s after its timeout
         return answers(request)
-    poll_with(backend, late, DOWN_AFTER_TIMEOUTS)
+    poll_with(backend, late_then_silent, DOWN_AFTER_TIMEOUTS, interval=0.6)
     assert not backend.healthy and not backend.dead.is_set()
     poll_with(backend, answers)
     assert backend.healthy
+    calls.clear()
+    poll_with(backend, late_then_silent, DOWN_AFTER_TIMEOUTS + 1, interval=0.6)
+    assert backend.dead.is_set()  # the run's later checks never answered

@@ -49,6 +49,9 @@ def build_app(config: RouterConfig) -> FastAPI:
         yield
         for p in polls:
             p.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        for b in router.backends:
+            b.close()
         await client.aclose()
 
     app = FastAPI(title="tokenmill router", version=__version__, lifespan=lifespan,

@@ -29,12 +29,13 @@ class Backend:
         self.waiting = 0.0
         self.kv_usage = 0.0
         self._timeouts = 0
-        self._last_progress = float("-inf")  # time.monotonic() it last showed it is alive (see progressed)
+        self._last_progress = float("-inf")  # time.monotonic() of the last bytes a request in flight got from it
+        self._checks = 0                     # /health requests sent
+        self._late_answered = 0              # the last of them whose answer came after its timeout
         self._late_checks: set[asyncio.Future] = set()  # /health requests past their timeout, still waited for
 
     def progressed(self) -> None:
-        """A request in flight on it just received bytes, or a /health answer came after its timeout: it is alive,
-        however slowly it answers /health."""
+        """A request in flight on it just received bytes: it is alive, however slowly it answers /health."""
         self._last_progress = time.monotonic()
 
     def load(self) -> float:
@@ -67,8 +68,8 @@ class Backend:
         """/health, then /metrics while healthy. A refused connection is a dead backend at once; a hung one is
         dead after a few timeouts; a non-200 /health (draining) only stops new requests. So does a run of timeouts
         while its streams still deliver: a busy server (a CPU engine holding the interpreter) can be slow to answer
-        /health, and failing the requests it is serving would lose work that was progressing. A /health answer
-        that comes after its timeout is such a sign too, the only one a backend serving non-streaming requests
+        /health, and failing the requests it is serving would lose work that was progressing. So does a late
+        answer to one of the run's earlier checks: the only sign of life a backend serving non-streaming requests
         gives. Only /health decides: a server's /metrics waits for its engine's current step (seconds for a long
         prefill on a CPU), so a slow one leaves the last load reading in place."""
         try:
@@ -79,7 +80,9 @@ class Backend:
             self._timeouts += 1
             if self._timeouts < DOWN_AFTER_TIMEOUTS:
                 return
-            if time.monotonic() - self._last_progress < DOWN_AFTER_TIMEOUTS * timeout:
+            streams_deliver = time.monotonic() - self._last_progress < DOWN_AFTER_TIMEOUTS * timeout
+            answered_late = self._late_answered > self._checks - DOWN_AFTER_TIMEOUTS  # one of this run's checks
+            if streams_deliver or answered_late:
                 self.set_unavailable()
             else:
                 self._set_dead(f"{self._timeouts} health checks timed out, no response bytes or late answers since")
@@ -90,24 +93,34 @@ class Backend:
         self._set_reachable(health.status_code == 200)
 
     async def _check_health(self, client: httpx.AsyncClient, timeout: float) -> httpx.Response:
-        """/health's answer within timeout, else TimeoutException; the request itself goes on for the timeouts that
-        would declare the backend dead, and an answer that lands meanwhile counts as progress."""
+        """/health's answer within timeout, else TimeoutException. The request itself goes on for the timeouts that
+        would declare the backend dead; an answer that lands meanwhile (any status) shows it alive, and keeps the
+        next timed-out check's verdict at "not routable", whatever the poll interval."""
+        self._checks += 1
+        number = self._checks
         check = asyncio.ensure_future(client.get(self.url + "/health", timeout=DOWN_AFTER_TIMEOUTS * timeout))
         try:
             done, _ = await asyncio.wait({check}, timeout=timeout)
         except asyncio.CancelledError:  # the router shuts down
             check.cancel()
+            if check.done() and not check.cancelled():
+                check.exception()  # retrieved: it ended in the same instant, no "never retrieved" warning
             raise
         if not done:
             self._late_checks.add(check)  # the event loop keeps only a weak reference to a task
-            check.add_done_callback(self._late_answer)
+            check.add_done_callback(lambda c: self._late_answer(number, c))
             raise httpx.TimeoutException(f"/health did not answer within {timeout} s")
         return check.result()
 
-    def _late_answer(self, check: asyncio.Future) -> None:
+    def _late_answer(self, number: int, check: asyncio.Future) -> None:
         self._late_checks.discard(check)
         if not check.cancelled() and check.exception() is None:
-            self.progressed()
+            self._late_answered = max(self._late_answered, number)
+
+    def close(self) -> None:
+        """Stop waiting for late /health answers (the router shuts down)."""
+        for check in list(self._late_checks):
+            check.cancel()
 
     async def _poll_load(self, client: httpx.AsyncClient, timeout: float) -> None:
         try:
