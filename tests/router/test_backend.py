@@ -70,20 +70,20 @@ def test_slow_metrics_keep_a_healthy_backend_and_its_last_load() -> None:
 def test_backend_whose_health_answers_come_late_is_only_taken_out_of_rotation() -> None:
     """A busy server (a CPU engine holding the interpreter) answers /health after the timeout: alive, though no
     stream shows it (its requests in flight may all be non-streaming), so they are not failed; whatever the poll
-    interval (here longer than the timeout, so the late answer is older than two timeouts at the verdict). Once
-    the checks of a run stop answering at all, it is dead."""
+    interval (here twice the timeout, so the late answer is older than two timeouts at the verdict). Once the
+    checks of a run stop answering at all, it is dead."""
     backend = Backend("http://b", "default")
     poll_with(backend, answers)
     calls = []
 
     async def late_then_silent(request: httpx.Request) -> httpx.Response:
         calls.append(request)
-        await asyncio.sleep(0.55 if len(calls) == 1 else 30.0)  # the first answers 0.05 s after its timeout
+        await asyncio.sleep(0.75 if len(calls) == 1 else 30.0)  # the first answers 0.25 s after its timeout
         return answers(request)
-    poll_with(backend, late_then_silent, DOWN_AFTER_TIMEOUTS, interval=0.6)
+    poll_with(backend, late_then_silent, DOWN_AFTER_TIMEOUTS, interval=1.0)  # verdict at 2.0 s: 1.25 s later
     assert not backend.healthy and not backend.dead.is_set()
     poll_with(backend, answers)
     assert backend.healthy
     calls.clear()
-    poll_with(backend, late_then_silent, DOWN_AFTER_TIMEOUTS + 1, interval=0.6)
+    poll_with(backend, late_then_silent, DOWN_AFTER_TIMEOUTS + 1, interval=1.0)
     assert backend.dead.is_set()  # the run's later checks never answered

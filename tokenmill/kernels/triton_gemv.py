@@ -17,7 +17,7 @@ nibble keeps it (the high nibble as 16 q, its x scaled by 1/16), and a fused mul
 offset exactly: three integer instructions a byte instead of six (counted in the SASS). Either way a group's
 scale and min are applied once per packed byte (nibble pair): sum (q s + m) x = s sum q x + m sum x.
 
-"unit" (its own kernel; the default for INT4 with 16-bit activations, and for INT8's wide and deep matrices): the
+"unit" (its own kernel; the default for INT4 and INT8 with 16-bit activations): the
 weight becomes a float near 1.0 instead of near 2^23, so the offset can stay in the sum. INT4: 1 + q / 128 (low nibble) and 1 + q / 2048 (high nibble, its x
 times 16); INT8: 1 + (q + 128) / 2^15 (one LOP3 flips a word's four sign bits, one byte permute a weight puts it
 in mantissa bits 8-15). Each weight then costs one fused multiply-add into a thread's partial sum over CHUNK
