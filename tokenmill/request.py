@@ -28,6 +28,7 @@ class RequestStatus(enum.Enum):
 
 
 PENDING_TOKEN = -1  # stands for a sampled token still on the device
+PRIORITY_LIMIT = 2 ** 31 - 1  # |priority| at most this: the scheduler ages priorities in float arithmetic
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})

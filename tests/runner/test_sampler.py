@@ -22,6 +22,14 @@ def test_greedy_and_top_k_1_pick_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    """A top_k past int64 (the API does not bound it) means all tokens, as in vLLM, not an overflow."""
+    logits = torch.randn(2, 8)
+    params = dict(temperature=1.0, top_p=0.9, seed=5)
+    huge = make()(logits.clone(), [req(0, top_k=10 ** 20, **params), req(1, top_k=8, **params)]).token_ids
+    assert huge == make()(logits.clone(), [req(0, top_k=8, **params), req(1, top_k=8, **params)]).token_ids
+
+
 def test_seeded_request_same_tokens_whatever_the_batch():
     torch.manual_seed(1)
     logits = torch.randn(1, 8).repeat(5, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from tokenmill import __version__
 
@@ -81,6 +82,20 @@ def test_completions_batch_and_token_ids(client, model_name):
     r = client.completions.create(model=model_name, prompt=[504, 3458, 314], max_tokens=3,
                                   extra_body={"ignore_eos": True})
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_choices_that_end_at_different_steps_finish_once(client, model_name, chat):
+    """n > 1 streamed: each choice's finish chunk comes once, and the usage equals the non-streamed request's."""
+    kwargs = dict(model=model_name, n=3, max_tokens=40, stop=["e"], seed=1, temperature=1.0)
+    api = client.chat.completions if chat else client.completions
+    kwargs.update(messages=MESSAGES) if chat else kwargs.update(prompt="Once upon a time")
+    full = api.create(**kwargs)
+    chunks = list(api.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    finishes = [(c.index, c.finish_reason) for ch in chunks for c in ch.choices if c.finish_reason]
+    assert sorted(finishes) == sorted((c.index, c.finish_reason) for c in full.choices)
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len({len(c.message.content if chat else c.text) for c in full.choices}) > 1  # ended at other steps
 
 
 def test_n_seed_and_extra_sampling_fields(client, model_name):

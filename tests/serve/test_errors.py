@@ -56,6 +56,9 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, conta
     ({"messages": OK_MESSAGES, "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": OK_MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": OK_MESSAGES, "timeout_s": -1}, "timeout_s"),
+    ({"messages": OK_MESSAGES, "priority": 10 ** 400}, "priority"),
+    ({"messages": [{"role": "user", "content": "a lone \ud800 surrogate"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages.0.content"),
 ])
 def test_bad_chat_requests_are_400(server, body, param):
     assert_error(post(server, CHAT, body), 400, param)
@@ -69,6 +72,8 @@ def test_bad_chat_requests_are_400(server, body, param):
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": {"a": 1}}, "prompt"),
     ({"prompt": "hi", "max_tokens": 2000}, "max_tokens"),
+    ({"prompt": "hi \ud800 there"}, "prompt"),
+    ({"prompt": "hi", "stop": ["\udfff"]}, "stop"),
 ])
 def test_bad_completion_requests_are_400(server, body, param):
     assert_error(post(server, "/v1/completions", body), 400, param)
@@ -124,7 +129,7 @@ def test_engine_survives_errors(client, model_name):
 @pytest.fixture(scope="module")
 def strict_server():
     s = Server("--max-model-len", "1024", "--api-key", "sesame", "--max-request-bytes", "4096",
-               "--max-num-seqs", "1", "--max-queue-len", "1")
+               "--max-num-seqs", "1", "--max-queue-len", "1", "--kv-cache-tokens", "512")
     yield s
     s.stop()
 
@@ -154,6 +159,14 @@ def test_oversized_body_is_413(strict_server):
             yield b"y" * 1000
         yield b'"}]}'
     assert_error(httpx.post(strict_server.url + CHAT, content=chunks(), headers=headers), 413)
+
+
+def test_default_max_tokens_fits_a_kv_cache_smaller_than_the_context(strict_server):
+    """512 tokens of KV cache under a 1024-token context: a request without max_tokens may grow to what the cache
+    holds (not refused for a max_tokens the user never sent)."""
+    client = openai.OpenAI(base_url=strict_server.url + "/v1", api_key="sesame", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=OK_MESSAGES, stop=["."])
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.total_tokens <= 512
 
 
 def test_full_queue_is_429_with_retry_after(strict_server):

@@ -65,6 +65,11 @@ class Scheduler:
         self.clock: Callable[[], float] = time.monotonic   # the simulator swaps in its virtual clock
 
     # ---- admission -------------------------------------------------------------------------
+    @property
+    def max_request_len(self) -> int:
+        """The most tokens one request can reach: the context limit, or the whole KV cache where that is smaller."""
+        return min(self.config.max_model_len, self.kv_cache.usable_blocks * self.kv_cache.block_size)
+
     def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Reject, with the reason, a request that could never run."""
         limit = self.config.max_model_len

@@ -23,7 +23,7 @@ from tokenmill.engine.devices import pick_device, pick_dtype
 from tokenmill.engine.tp_launcher import TPWorkerGroup
 from tokenmill.model.loader import load_model, load_model_config, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.request import Request, RequestStatus
+from tokenmill.request import PRIORITY_LIMIT, Request, RequestStatus
 from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.spec.draft import load_draft
@@ -158,8 +158,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if (not isinstance(priority, int) or isinstance(priority, bool)
+                or not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT):
+            raise ValueError(f"priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {priority!r}")
         text, ids = self.encode_prompt(prompt)
         self.scheduler.check_request(len(ids), params.max_tokens)
         if len(self.scheduler.waiting) + params.n > self.scheduler.config.max_queue_len:

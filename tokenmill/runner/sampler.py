@@ -141,7 +141,7 @@ class Sampler:
     @staticmethod
     def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
         """top-k, then top-p, then min-p, as vLLM orders them."""
-        top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        top_k = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]  # int64-safe
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         if all(k >= logits.shape[1] for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):

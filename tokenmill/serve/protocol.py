@@ -4,13 +4,28 @@ They are the contract: FastAPI validates every request against them (strictly: "
 an integer) and publishes them at /openapi.json. Unknown fields are ignored, as OpenAI-compatible servers do."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from tokenmill.request import PRIORITY_LIMIT
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _utf8(text: str) -> str:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: a lone surrogate ({text[e.start]!a}) at character {e.start}") \
+            from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]  # text that reaches the tokenizer
 
 
 # ---- errors ---------------------------------------------------------------------------------------
@@ -38,7 +53,7 @@ class SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
-    stop: str | list[str] | None = Field(None, description="stop strings, not included in the output")
+    stop: Text | list[Text] | None = Field(None, description="stop strings, not included in the output")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -46,20 +61,21 @@ class SamplingRequest(_Request):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="tokenmill: drop tokens below min_p x the top probability")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="tokenmill: penalty on tokens already seen")
     ignore_eos: bool = Field(False, description="tokenmill: keep generating past the end-of-sequence token")
-    priority: int = Field(0, description="tokenmill: lower runs first under --scheduling-policy priority")
+    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT,
+                          description="tokenmill: lower runs first under --scheduling-policy priority")
     timeout_s: float | None = Field(None, gt=0.0, description="tokenmill: abort the request after this many seconds")
 
 
 # ---- chat completions -----------------------------------------------------------------------------
 class TextContentPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -141,7 +157,7 @@ class ChatCompletionChunk(BaseModel):
 
 # ---- completions ------------------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         description="a prompt, a list of prompts, or token ids (one list or a list of lists)")
     max_tokens: int | None = Field(16, ge=1, description="null: what the context leaves")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k alternatives per token")
@@ -187,7 +203,7 @@ class ModelList(BaseModel):
 
 class TokenizeCompletionRequest(_Request):
     model: str | None = None
-    prompt: str
+    prompt: Text
     add_special_tokens: bool = True
 
 

@@ -118,8 +118,8 @@ class OpenAIServing:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the {what} has "
                                 f"{prompt_len} tokens (at least one must be left for the output); shorten the "
                                 f"{what}", what, "context_length_exceeded")
-        if requested is None:
-            return limit - prompt_len
+        if requested is None:  # as long as the context allows, and the KV cache where it holds fewer tokens
+            return max(1, min(limit, self.engine.engine.scheduler.max_request_len) - prompt_len)
         if prompt_len + requested > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
                                 f"{prompt_len + requested} were requested ({prompt_len} in the {what}, {requested} "
@@ -264,10 +264,12 @@ class OpenAIServing:
 
         started = [False] * req.n
         sent_logprobs = [0] * req.n
-        finished: list[CompletionOutput] = []
-        try:
+        finished: dict[int, CompletionOutput] = {}  # by index: the engine reports a finished choice at every step
+        try:                                          # until the whole group ends
             async for _, out in _merge(streams):
                 for c in out.outputs:
+                    if c.index in finished:
+                        continue
                     if not started[c.index]:
                         started[c.index] = True
                         yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content="")))
@@ -280,10 +282,10 @@ class OpenAIServing:
                         yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
                                                     logprobs=lps, finish_reason=c.finish_reason))
                     if c.finished:
-                        finished.append(c)
+                        finished[c.index] = c
             if include_usage:
                 usage = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
-                                            usage=self._usage(prompt_len, finished))
+                                            usage=self._usage(prompt_len, list(finished.values())))
                 yield _event(usage)
             yield "data: [DONE]\n\n"
         except (RequestTimeoutError, RequestFailedError) as e:
@@ -346,11 +348,13 @@ class OpenAIServing:
         exclude = None if include_usage else {"usage"}
         sent_logprobs: dict[int, int] = {}
         text_len: dict[int, int] = {}
-        finished: list[CompletionOutput] = []
-        try:
+        finished: dict[int, CompletionOutput] = {}  # by index: the engine reports a finished choice at every step
+        try:                                          # until the whole group ends
             async for i, out in _merge(streams):
                 for c in out.outputs:
                     index = i * req.n + c.index
+                    if index in finished:
+                        continue
                     lps = None
                     if req.logprobs is not None and c.delta_token_ids:
                         start = sent_logprobs.get(index, 0)
@@ -364,10 +368,10 @@ class OpenAIServing:
                         body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                         yield f"data: {body.model_dump_json(exclude=exclude)}\n\n"
                     if c.finished:
-                        finished.append(c)
+                        finished[index] = c
             if include_usage:
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
-                                                usage=self._usage(prompt_len, finished)))
+                                                usage=self._usage(prompt_len, list(finished.values()))))
             yield "data: [DONE]\n\n"
         except (RequestTimeoutError, RequestFailedError) as e:
             self._abort(streams, "error")
