@@ -77,3 +77,20 @@ def test_block_a_one_token_step_fills_is_a_hit_from_the_next_step_on():
     kv.begin_step()
     assert kv.get_computed_blocks(follower)[1] == 8
     kv.check_invariants()
+
+
+def test_a_one_token_step_after_prefix_hits_keeps_them_hits():
+    """A request that hits every full block of its prompt computes one token (n > 1 siblings: prompt length 1
+    past a block boundary). Only a block that token completes waits for the next step; the hits it reused stay
+    hits for the siblings admitted after it in the same step."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(10, 19))  # two full blocks and one token
+    computed(kv, "a", prompt)
+    kv.begin_step()
+    for i in range(3):
+        sibling = Request(f"b#{i}", prompt, SamplingParams(max_tokens=4))
+        hits, num_cached = kv.get_computed_blocks(sibling)
+        assert num_cached == 8, i
+        assert kv.allocate_slots(sibling, 1, hits)
+    assert kv.num_free_blocks == 16 - 1 - 2 - 3  # the null block, the two shared, one tail each
+    kv.check_invariants()

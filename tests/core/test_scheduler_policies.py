@@ -47,6 +47,19 @@ def test_decodes_keep_flowing_during_long_prompt_flood():
         kv.check_invariants()
 
 
+def test_an_urgent_prefill_leaves_running_decodes_their_token():
+    """Under priority the urgent request is served first, but its prefill chunk takes the budget less a token
+    for each decode after it: the less urgent request decodes in every step of the long prefill."""
+    sch, kv = make(num_blocks=1000, policy="priority")
+    low = Request("low", [1] * 20, SamplingParams(max_tokens=100), priority=1)
+    sch.add_request(low)
+    step(sch)
+    sch.add_request(Request("urgent", [7] * 2000, SamplingParams(max_tokens=4), priority=0))
+    for chunk in [255] * 7 + [2000 - 7 * 255]:
+        out = step(sch)
+        assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"low": 1, "urgent": chunk}
+
+
 def test_urgent_request_preempts_less_urgent_under_priority_policy():
     sch, kv = make(num_blocks=9, block_size=16, policy="priority", max_num_batched_tokens=512)
     low = [Request(f"low{i}", [1] * 60, SamplingParams(max_tokens=50), priority=5) for i in range(2)]

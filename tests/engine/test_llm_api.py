@@ -211,6 +211,11 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [1, 2, 3])
     engine.abort_request("dup")
+    engine.add_request("pair#1", [1, 2, 3])  # the id of a sample of "pair" below: that request is refused whole
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("pair", [1, 2, 3], SamplingParams(n=2))
+    assert "pair#0" not in engine.scheduler.requests and "pair#0" not in engine.child_to_group
+    engine.abort_request("pair#1")
     with pytest.raises(QueueFullError):
         for i in range(100):
             engine.add_request(f"q{i}", [1, 2, 3])

@@ -46,6 +46,7 @@ def reference():
     ("draft:self", 2, 3, {}),
     ("draft:self", 5, 12, dict(block_size=8)),
     ("draft:self@int4", 4, 6, {}),
+    ("draft:self", 3, 4, dict(kv_cache_tokens=2048, kv_cache_memory=None)),  # the draft takes the target's blocks
 ])
 def test_greedy_identical_to_plain_decoding(reference, spec, k, batch, kw):
     llm = make(spec, k, **kw)

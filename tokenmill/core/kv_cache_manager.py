@@ -213,11 +213,12 @@ class KVCacheManager:
                 return
             parent = tail[0]
         for i in range(start, num_full):
+            fresh = blocks[i].block_hash is None  # registered now, not a hit or a block hashed in an earlier step
             parent = self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]),
                                            parent)
             if parent is None:
                 return
-            if one_token and parent is blocks[i]:
+            if one_token and fresh and parent is blocks[i]:
                 self._filled_by_one_token.add(parent.block_id)
         self.chain_tail[request.request_id] = (parent, parent.cache_id)
 

@@ -158,7 +158,13 @@ class Scheduler:
             if req.has_pending_token and max_tokens is not None and req.num_output_tokens >= max_tokens:
                 i += 1  # its last token is on the device and ends it (async scheduling): nothing to compute
                 continue
-            num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget, long_slots)
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > 1:  # a prefill chunk leaves a token each to the decodes served after it (priority order)
+                room = budget - sum(1 for r in self.running[i + 1:]
+                                    if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in scheduled_ids)
+                num_new = self._cap(num_new, room, long_slots) if room > 0 else 0
+            else:
+                num_new = min(num_new, budget)
             if num_new <= 0:
                 i += 1
                 continue

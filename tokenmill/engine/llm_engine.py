@@ -177,6 +177,9 @@ class LLMEngine:
                                                  "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, child_params, now, priority, request_id, i, timeout))
+        taken = next((c.request_id for c in children if c.request_id in self.scheduler.requests), None)
+        if taken is not None:  # checked for all samples first: none is queued when one cannot be
+            raise ValueError(f"request id {taken!r} (sample of {request_id!r}) is already in use")
         group = _Group(request_id, text, ids, children, [Detokenizer(self.tokenizer, c) for c in children]
                        if self.tokenizer is not None else [], [0] * params.n)
         for c in children:
