@@ -216,6 +216,8 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
         engine.add_request("pair", [1, 2, 3], SamplingParams(n=2))
     assert "pair#0" not in engine.scheduler.requests and "pair#0" not in engine.child_to_group
     engine.abort_request("pair#1")
+    engine.add_request("top-seed", [1, 2, 3], SamplingParams(n=2, seed=2 ** 63 - 1))  # samples' seeds wrap
+    engine.abort_request("top-seed")
     with pytest.raises(QueueFullError):
         for i in range(100):
             engine.add_request(f"q{i}", [1, 2, 3])

@@ -174,7 +174,7 @@ class LLMEngine:
             child_params = params
             if params.n > 1:
                 child_params = SamplingParams(**{**params.__dict__, "n": 1,
-                                                 "seed": None if params.seed is None else params.seed + i})
+                                                 "seed": None if params.seed is None else (params.seed + i) % 2 ** 63})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, child_params, now, priority, request_id, i, timeout))
         taken = next((c.request_id for c in children if c.request_id in self.scheduler.requests), None)
