@@ -37,6 +37,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):  # checked before list() would fail on them with a TypeError
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                self._fail(name, value, "a list" + (" of strings, or a string" if name == "stop" else " of token ids"))
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()

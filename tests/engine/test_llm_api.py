@@ -103,8 +103,24 @@ def test_stop_token_ids_and_max_tokens(llm):
     ids = llm.generate([p], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0].token_ids
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[3]]))[0].outputs[0]
     assert out.token_ids == ids[:4] and out.stop_reason == ids[3]
-    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
-    assert out.token_ids == ids[:3] and out.finish_reason == "length"
+    three = llm.generate([p], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    assert three.token_ids == ids[:3] and three.finish_reason == "length"
+    assert out.text == three.text  # a stop token's text is no output (vLLM) ...
+    kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[3]],
+                                            include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text.startswith(three.text) and len(kept.text) > len(three.text)  # ... unless asked for
+    eos = llm.generate([p], SamplingParams(temperature=0, max_tokens=60, skip_special_tokens=False))[0].outputs[0]
+    assert eos.finish_reason == "stop" and "<|im_end|>" not in eos.text
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As EOS and stop tokens, stop strings count from min_tokens on (vLLM)."""
+    p = prompt(llm, "What is the capital of France?")
+    free = llm.generate([p], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    first = free.text.split()[0]
+    assert llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop=[first]))[0].outputs[0].text == ""
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop=[first], min_tokens=5))[0].outputs[0]
+    assert len(out.token_ids) >= 5 and out.token_ids == free.token_ids[:len(out.token_ids)]
 
 
 def test_logprobs(llm):
@@ -218,6 +234,22 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
     engine.abort_request("pair#1")
     engine.add_request("top-seed", [1, 2, 3], SamplingParams(n=2, seed=2 ** 63 - 1))  # samples' seeds wrap
     engine.abort_request("top-seed")
+    with pytest.raises(ValueError, match="token ids must be in"):  # a bad prompt leaves none of the call queued
+        llm.generate([[1, 2, 3], [10 ** 9]])
+    assert not engine.scheduler.requests
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate([[1, 2, 3], [4, 5]], priority=[0])
+    for name in ("stop", "stop_token_ids"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: 5})
+    for bad in ([{"role": "user", "content": 5}], [{"content": "hi"}], ["hello"]):
+        with pytest.raises(ValueError, match="message 0|conversation must be"):
+            llm.chat(bad)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    plain = [{"role": "user", "content": "What is the capital\nof France?"}]
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    assert llm.chat(parts, greedy)[0].outputs[0].text == llm.chat(plain, greedy)[0].outputs[0].text
     with pytest.raises(QueueFullError):
         for i in range(100):
             engine.add_request(f"q{i}", [1, 2, 3])
@@ -241,6 +273,13 @@ def test_cli_chat_repl_is_multi_turn():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "Rome" in r.stdout
+
+
+def test_generate_takes_more_prompts_than_the_queue_holds(llm):
+    """max_queue_len (64 here) guards the server; offline generate runs what is queued to make room."""
+    outs = llm.generate([[1, 2, 3 + i] for i in range(100)], SamplingParams(max_tokens=1))
+    assert [o.prompt_token_ids[-1] for o in outs] == [3 + i for i in range(100)]
+    assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
 
 
 def test_final_only_requests_are_reported_once(llm):

@@ -309,11 +309,15 @@ class LLMEngine:
             req.logprobs.append(logprob)
         group = self.child_to_group[req.request_id]
         stop = check_stop(req, self.eos_token_ids, self.max_model_len)
-        if group.detokenizers:
+        p = req.sampling_params
+        stop_token = stop is not None and stop[0] is RequestStatus.FINISHED_STOPPED  # EOS or a stop_token_ids one
+        if group.detokenizers and (not stop_token or p.include_stop_str_in_output):  # its text is no output (vLLM)
             detok = group.detokenizers[req.index]
             before = len(req.output_text)
             detok.append(1)
-            hit = detok.check_stop_string(len(req.output_text) - before)
+            # stop strings count from min_tokens on, as stop tokens do
+            hit = detok.check_stop_string(len(req.output_text) - before) if req.num_output_tokens >= p.min_tokens \
+                else None
             if hit is not None:
                 stop = (RequestStatus.FINISHED_STOPPED, hit)
         if stop is not None:

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from tokenmill.config import EngineArgs
+from tokenmill.core.scheduler import QueueFullError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -33,12 +34,34 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         engine = self.llm_engine
-        ids = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            ids.append(engine.add_request(None, p, sp, priority=priority[i] if priority else 0))
-        return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 32)
+        ids: list[str] = []
+        ours: set[str] = set()
+        final: dict[str, RequestOutput] = {}
+        show = use_tqdm if use_tqdm is not None else len(prompts) >= 32
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not show, dynamic_ncols=True)
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                while True:
+                    try:
+                        ids.append(engine.add_request(None, p, sp, priority=priority[i] if priority else 0))
+                        ours.add(ids[-1])
+                        break
+                    except QueueFullError:  # more prompts than the queue holds: run some first, as vLLM takes any
+                        if not engine.has_unfinished_requests():  # number offline
+                            raise
+                        self._step(ours, final, bar)
+            while len(final) < len(ids):
+                self._step(ours, final, bar)
+        except BaseException:  # a bad prompt or an interrupt: none of this call's requests stays queued
+            engine.abort_request([i for i in ids if i not in final])
+            raise
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None,
@@ -48,25 +71,35 @@ class LLM:
         if tok is None:
             raise ValueError("chat needs a tokenizer; this engine has none (dummy weights)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+        prompts = [tok.encode(tok.apply_chat_template(_messages(c), add_generation_prompt=add_generation_prompt),
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
-        pending = set(ids)
-        final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        try:
-            while pending:
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        final[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
-        except BaseException:
-            engine.abort_request(list(pending))
-            raise
-        finally:
-            bar.close()
-        return [final[i] for i in ids]
+    def _step(self, ours: set[str], final: dict[str, RequestOutput], bar: tqdm) -> None:
+        """One engine step; this call's finished requests go into final."""
+        for out in self.llm_engine.step():
+            if out.finished and out.request_id in ours and out.request_id not in final:
+                final[out.request_id] = out
+                bar.update(1)
+
+
+def _messages(conversation: Any) -> list[dict[str, Any]]:
+    """A conversation for the chat template: dicts with a string role and content (None: empty), OpenAI's text
+    parts ([{"type": "text", "text": ...}]) joined as the server joins them; anything else is a ValueError."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(f"a conversation must be a non-empty list of messages, got {conversation!r}")
+    out = []
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a string 'role', got {m!r}")
+        content = m.get("content")
+        if content is None:  # as the server: an assistant turn may carry none
+            content = ""
+        elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ValueError(f"message {i}'s content must be a string or a list of text parts "
+                             f'({{"type": "text", "text": ...}}), got {m.get("content")!r}')
+        out.append({**m, "content": content})
+    return out
