@@ -75,6 +75,41 @@ def test_evaluate_needs_something() -> None:
         evaluate(None, None)
 
 
+def test_mixed_plan_keeping_every_projection_is_the_kv_cache_alone(tiny_model_dir: str) -> None:
+    """--skip-top keeping all projections in 16-bit leaves the KV cache quantized: the mixed figure equals the
+    KV-only evaluation (fp8 folds scales into the projections: its mixed pass runs on its own model copy), and
+    the all-quantized figure after it is the same as without --skip-top."""
+    kw = {"num_tokens": 64, "window": 32, "calibration": "rtn", "device": "cpu"}
+    for kv in ("fp8", "int8"):
+        kv_only = evaluate(tiny_model_dir, None, kv, **kw)
+        r = evaluate(tiny_model_dir, QuantFormat.parse("int8"), kv, skip_top=1000, **kw)
+        plain = evaluate(tiny_model_dir, QuantFormat.parse("int8"), kv, **kw)
+        assert r["mixed"]["kl_mean"] == pytest.approx(kv_only["kl_mean"], rel=1e-6) and kv_only["kl_mean"] > 0
+        assert r["kl_mean"] == pytest.approx(plain["kl_mean"], rel=1e-6)
+
+
+def test_bad_evaluation_arguments_and_inputs(tiny_model_dir: str, tmp_path) -> None:
+    fmt = QuantFormat.parse("int8")
+    for kw, match in (({"window": 1}, "window"), ({"skip_top": -2}, "skip_top")):
+        with pytest.raises(ValueError, match=match):
+            evaluate(tiny_model_dir, fmt, device="cpu", **kw)
+    quantized = tmp_path / "q"
+    main(["quantize", "--model", tiny_model_dir, "--method", "int8", "--calibration", "rtn", "--out",
+          str(quantized), "--device", "cpu"])
+    with pytest.raises(ValueError, match="already quantized"):  # re-quantizing packed weights as if float
+        main(["quantize", "--model", str(quantized), "--method", "int4", "--calibration", "rtn", "--out",
+              str(tmp_path / "qq"), "--device", "cpu"])
+    with pytest.raises(ValueError, match="already quantized"):
+        evaluate(str(quantized), fmt, num_tokens=32, window=32, device="cpu")
+    for line, match in (('{"messages": []}', "messages"), ('{"prompt": 5}', "prompt"),
+                        ('{"messages": "hello"}', "messages"), ('{"prompt": "hi", "max_tokens": "5"}', "max_tokens")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "fine"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{match}"):  # before any evaluation runs
+            main(["quant-eval", "--model", tiny_model_dir, "--method", "int8", "--replay", str(bad),
+                  "--device", "cpu"])
+
+
 def test_parses_as_json() -> None:
     assert parses_as_json(' {"a": 1} ') and parses_as_json('```json\n[1, 2]\n```')
     assert not parses_as_json("Sure! {") and not parses_as_json("")
@@ -102,3 +137,22 @@ def test_cli(tiny_model_dir: str, tmp_path, capsys) -> None:
     main(["quant-eval", "--model", str(tmp_path / "q"), "--method", "none", "--kv-cache-dtype", "int8",
           "--num-tokens", "32", "--window", "32", "--device", "cpu", "--json", "-"])
     assert json.loads(capsys.readouterr().out)["method"] == "none"
+
+
+def test_replay_runs_the_weights_scored(tiny_model_dir: str, tmp_path) -> None:
+    """quant-eval --replay generates with the GPTQ weights it scored (a `tokenmill quantize` folder with the same
+    calibration gives the same answers), not with a rounding at load."""
+    from tokenmill import LLM, SamplingParams
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["The capital of France is", "One, two, three,"]
+    prompts.write_text("".join(json.dumps({"prompt": t, "raw": True, "max_tokens": 8}) + "\n" for t in texts))
+    cal = ["--method", "int4", "--group-size", "32", "--calibration", "gptq", "--calibration-tokens", "96",
+           "--device", "cpu"]
+    out = tmp_path / "r.json"
+    main(["quant-eval", "--model", tiny_model_dir, *cal, "--num-tokens", "64", "--window", "32", "--replay",
+          str(prompts), "--json", str(out)])
+    replayed = [row["quant"] for row in json.loads(out.read_text())["replay"]["rows"]]
+    main(["quantize", "--model", tiny_model_dir, *cal, "--out", str(tmp_path / "q")])
+    llm = LLM(model=str(tmp_path / "q"), device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    assert replayed == [o.outputs[0].text for o in llm.generate(texts, greedy)]

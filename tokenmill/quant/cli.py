@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 
 from tokenmill.quant.formats import GROUP_SIZES, QuantFormat
 from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
@@ -63,14 +64,23 @@ def cmd_quant_eval(ns: argparse.Namespace) -> None:
     from tokenmill.quant.eval import evaluate
     from tokenmill.quant.report import format_report, save_plot
     fmt = None if ns.method == "none" else QuantFormat.parse(ns.method, ns.group_size)
-    result = evaluate(ns.model, fmt, ns.kv_cache_dtype, ns.num_tokens, ns.window, ns.per_layer, ns.skip_top,
-                      ns.calibration, ns.calibration_tokens, ns.device, ns.dtype, ns.load_format, ns.quantize_lm_head)
-    if ns.replay:
-        from tokenmill.quant.replay import load_prompts, replay
-        base = {"model": ns.model, "device": ns.device, "dtype": ns.dtype, "load_format": ns.load_format}
-        quant = {**base, "quantization": fmt.name if fmt else None, "kv_cache_dtype": ns.kv_cache_dtype,
-                 "quantize_lm_head": ns.quantize_lm_head}
-        result["replay"] = replay(load_prompts(ns.replay), base, quant, ns.max_tokens)
+    prompts = None
+    if ns.replay:  # read before the evaluation, so a bad line costs no minutes of it
+        from tokenmill.quant.replay import load_prompts
+        prompts = load_prompts(ns.replay)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-quant-eval-") as saved:
+        # --replay runs the very weights scored (GPTQ's, not a rounding at load): evaluate writes them here
+        save = saved if prompts is not None and fmt is not None else None
+        result = evaluate(ns.model, fmt, ns.kv_cache_dtype, ns.num_tokens, ns.window, ns.per_layer, ns.skip_top,
+                          ns.calibration, ns.calibration_tokens, ns.device, ns.dtype, ns.load_format,
+                          ns.quantize_lm_head, save_dir=save)
+        if prompts is not None:
+            from tokenmill.quant.replay import replay
+            base = {"model": ns.model, "device": ns.device, "dtype": ns.dtype, "load_format": ns.load_format}
+            quant = {**base, "kv_cache_dtype": ns.kv_cache_dtype}
+            if save is not None:
+                quant.update(model=save, load_format="auto")
+            result["replay"] = replay(prompts, base, quant, ns.max_tokens)
     if ns.plot:
         save_plot(result, ns.plot)
     token_kl = result.pop("token_kl")

@@ -9,6 +9,7 @@ ranks them by the KL each causes alone; a mixed plan keeps the K worst in 16-bit
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from tokenmill.config import parse_dtype
 from tokenmill.quant.corpus import WindowRunner, corpus_text, corpus_windows
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight
 from tokenmill.quant.linear import to_quant_linear
@@ -95,11 +97,12 @@ def layer_sensitivity(model: nn.Module, runner: WindowRunner, windows: list[list
 def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "auto", num_tokens: int = 1024,
              window: int = 256, per_layer: bool = False, skip_top: int = 0, calibration: str = "auto",
              calibration_tokens: int = 4096, device: str = "auto", dtype: str = "auto",
-             load_format: str = "auto", quantize_lm_head: bool = False) -> dict:
+             load_format: str = "auto", quantize_lm_head: bool = False, save_dir: str | None = None) -> dict:
     """Base vs quantized (weights `fmt`, None for none, quantized as `tokenmill quantize` would; KV
     `kv_cache_dtype`) over the corpus; with per_layer or skip_top, the sensitivity ranking and the mixed plan
     keeping the skip_top worst projections in 16-bit; quantize_lm_head: the LM head is quantized (and ranked) too.
-    The fp8 KV pass folds scales into the model: it is last."""
+    The fp8 KV pass folds scales into the model: it is last. save_dir: the evaluated weights are also written
+    there as a `tokenmill quantize` folder (so that --replay runs the very weights scored)."""
     from tokenmill.engine.llm_engine import pick_device, pick_dtype
     from tokenmill.model.loader import load_model, load_model_config, resolve_model
     from tokenmill.quant.kv_cache import kv_cache_torch_dtype, prepare_fp8_kv
@@ -110,6 +113,10 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
         raise ValueError("nothing to evaluate: give a weight method, a kv_cache_dtype, or both")
     if (per_layer or skip_top or quantize_lm_head) and fmt is None:
         raise ValueError("per-layer sensitivity, --skip-top and --quantize-lm-head need a weight method")
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens (a token and the one it predicts), got {window}")
+    if skip_top < 0:
+        raise ValueError(f"skip_top must be >= 0 (projections kept in 16-bit), got {skip_top}")
     path = resolve_model(model)
     dev = pick_device(device)
     config = load_model_config(path, load_format)
@@ -133,12 +140,25 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
     if skip_top:
         keep = [r["module"] for r in result["per_layer"][:skip_top]]
         mixed = {name: qw for name, qw in weights.items() if name not in keep}
-        with swapped(net, mixed):
-            c, _ = compare(windows, base, [runner.logprobs(w) for w in windows])
+        # with the KV cache quantized too, as the all-quantized figure beside it; fp8 folds its scales into the
+        # projections, so that pass gets a fresh model and its own copy of the weights
+        net_m = load_model(config, path, load_format, dt, dev) if kv_dtype == torch.float8_e4m3fn else net
+        mixed_m = copy.deepcopy(mixed) if net_m is not net else mixed
+        with swapped(net_m, mixed_m):
+            if net_m is not net:
+                prepare_fp8_kv(net_m, dev, dt, config.vocab_size)
+            mixed_runner = WindowRunner(net_m, window, dev, kv_dtype)
+            c, _ = compare(windows, base, [mixed_runner.logprobs(w) for w in windows])
+        del net_m, mixed_m
         result["mixed"] = {"skip_top": skip_top, "kept_16bit": keep, **c.to_dict(),
                            "linear_bytes": linear_bytes(net, {n: qw.fmt for n, qw in mixed.items()},
                                                         quantize_lm_head)}
     with swapped(net, weights):
+        if save_dir is not None and fmt is not None:  # before the fp8 pass folds its scales into them
+            from tokenmill.quant.checkpoint import save_quantized
+            out_dtype = parse_dtype(config.torch_dtype or "float16")
+            save_quantized(net, config, fmt, [], tokenizer, path, save_dir,
+                           torch.float16 if out_dtype == torch.float32 else out_dtype)
         if kv_dtype == torch.float8_e4m3fn:
             result["fp8_kv_scales"] = prepare_fp8_kv(net, dev, dt, config.vocab_size)
         quant_runner = WindowRunner(net, window, dev, kv_dtype)

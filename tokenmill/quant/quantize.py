@@ -30,6 +30,10 @@ def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, token
     weight on its own (min/scale fitted per group); 'gptq' also uses the layer inputs on the calibration corpus
     (slower, far better INT4)."""
     names = [name for name in quantizable_modules(model, lm_head) if name not in skip]
+    packed = next((n for n in names if not model.get_submodule(n).weight.is_floating_point()), None)
+    if packed is not None:
+        raise ValueError(f"{packed} is already quantized ({model.get_submodule(packed).weight.dtype}): quantize the "
+                         "original float model, not a quantized one")
     if resolve_calibration(calibration, fmt) == "rtn":
         return {name: quantize(model.get_submodule(name).weight.data, fmt) for name in names}
     from tokenmill.quant.corpus import WindowRunner, calibration_windows

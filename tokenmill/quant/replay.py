@@ -27,12 +27,31 @@ def load_prompts(path: str) -> list[dict[str, Any]]:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
-                raise ValueError(f"{path}:{n}: expected an object with a 'prompt' or 'messages' key")
+            problem = _problem(item)
+            if problem:
+                raise ValueError(f"{path}:{n}: {problem}")
             prompts.append(item)
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
+
+
+def _problem(item: Any) -> str | None:
+    """What is wrong with one line's object, checked before any model runs."""
+    if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
+        return "expected an object with a 'prompt' or 'messages' key"
+    if "messages" in item:
+        messages = item["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            return "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} strings"
+    elif not isinstance(item["prompt"], str) or not item["prompt"]:
+        return "'prompt' must be a non-empty string"
+    max_tokens = item.get("max_tokens", 1)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return f"'max_tokens' must be an integer >= 1, got {max_tokens!r}"
+    return None
 
 
 def parses_as_json(text: str) -> bool:
@@ -56,7 +75,7 @@ def _generate(engine_args: dict[str, Any], prompts: list[dict[str, Any]], max_to
     inputs, params = [], []
     for p in prompts:
         if "messages" in p or (tok.chat_template and not p.get("raw")):
-            messages = p.get("messages") or [{"role": "user", "content": p["prompt"]}]
+            messages = p["messages"] if "messages" in p else [{"role": "user", "content": p["prompt"]}]
             inputs.append(tok.encode(tok.apply_chat_template(messages), add_special_tokens=False))
         else:
             inputs.append(p["prompt"])
