@@ -59,7 +59,8 @@ def test_completion_key_is_the_prompt_beginning():
                                        ("/v1/chat/completions", b'{"messages": []}'),
                                        ("/v1/completions", b'{"prompt": [1, "a"]}'),
                                        ("/v1/completions", b'{"prompt": []}'),
-                                       ("/tokenize", b'{"prompt": "hi"}')])
+                                       ("/tokenize", b'{"prompt": "hi"}'),
+                                       ("/v1/chat/completions", b"[" * 100_000)])  # too deep for json.loads
 def test_bodies_without_a_key_route_by_load_alone(path, body):
     info = route_info(path, body)
     assert info.key is None and info.prompt_tokens == 0

@@ -73,7 +73,7 @@ def route_info(path: str, body: bytes) -> RouteInfo:
     own error."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the interpreter's stack
         return RouteInfo(None, 0)
     if not isinstance(data, dict):
         return RouteInfo(None, 0)

@@ -22,7 +22,8 @@ T = TypeVar("T")
 
 BACKEND_HEADER = "x-tokenmill-backend"
 RETRY_AFTER_S = 1
-# per-connection headers are never forwarded; nor is accept-encoding, so that event streams come uncompressed
+# per-connection headers are never forwarded; accept-encoding becomes "identity", so that event streams come
+# uncompressed (httpx would ask for gzip otherwise)
 _REQUEST_DROP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                            "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding"})
 _RESPONSE_DROP = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
@@ -163,9 +164,12 @@ async def forward(client: httpx.AsyncClient, backend: Backend, request: Request,
     exchange = _Exchange(backend, request, metrics)
     owned = True
     try:
-        headers = {k: v for k, v in request.headers.items() if k not in _REQUEST_DROP}
-        upstream_request = client.build_request(request.method, backend.url + request.url.path, content=body,
-                                                params=request.query_params, headers=headers)
+        # repeated headers and query keys go through as they came (a dict would keep the last one)
+        headers = [(k, v) for k, v in request.headers.items() if k not in _REQUEST_DROP]
+        headers.append(("accept-encoding", "identity"))
+        query = f"?{request.url.query}" if request.url.query else ""
+        upstream_request = client.build_request(request.method, backend.url + request.url.path + query, content=body,
+                                                headers=headers)
         try:
             exchange.upstream = await exchange.watch.until(client.send(upstream_request, stream=True))
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -179,6 +183,7 @@ async def forward(client: httpx.AsyncClient, backend: Backend, request: Request,
             owned = False
             return _RelayStream(exchange, answer)
         content = await exchange.watch.until(exchange.upstream.aread())
+        answer.pop("content-encoding", None)  # aread() decoded it (a backend that compresses all the same)
         return Response(content, status_code=exchange.upstream.status_code, headers=answer)
     except (_BackendDown, httpx.TransportError) as e:
         return unavailable(exchange.lost(e), backend)
