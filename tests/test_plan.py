@@ -151,12 +151,29 @@ def test_cli_checkpoint_folder(tmp_path, capsys):
     preset = json.loads(capsys.readouterr().out)
     assert d["model"] == "tiny-llama-ckpt" and preset["model"] == "tiny-llama"
     assert {k: v for k, v in d.items() if k != "model"} == {k: v for k, v in preset.items() if k != "model"}
-    # by hand: float32 from the config's dtype; KV 2 x 2 layers x 2 KV heads x 16 x 4 B
-    assert (d["weight_dtype"], d["kv_dtype"], d["kv_bytes_per_token"]) == ("fp32", "fp32", 2 * 2 * 2 * 16 * 4)
+    # by hand: a float32 checkpoint runs in bf16 on a GPU, as the engine's "auto" picks; KV 2 x 2 layers x 2 KV
+    # heads x 16 x 2 B
+    assert (d["weight_dtype"], d["kv_dtype"], d["kv_bytes_per_token"]) == ("bf16", "bf16", 2 * 2 * 2 * 16 * 2)
     # embed + untied head 2 x 256 x 64; per layer q,o 64 x 64, k,v 64 x 32, MLP 3 x 64 x 128, 2 norms; final norm
     params = 2 * 256 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
-    assert d["num_parameters"] == params == 106_816 and d["weight_bytes"] == 4 * params
+    assert d["num_parameters"] == params == 106_816 and d["weight_bytes"] == 2 * params
     assert d["max_model_len"] == 4096 and d["fits"]
     main(["plan", "--model", str(folder), "--memory", "8GiB"])
     out = capsys.readouterr().out
-    assert "tiny-llama-ckpt (LlamaForCausalLM" in out and "512 B (fp32: 2 x 2 layers x 2 KV heads x (16 x 4 B))" in out
+    assert "tiny-llama-ckpt (LlamaForCausalLM" in out and "256 B (bf16: 2 x 2 layers x 2 KV heads x (16 x 2 B))" in out
+
+
+def test_auto_dtype_of_a_float32_checkpoint_is_what_the_engine_picks_on_a_gpu():
+    """The engine runs a float32 checkpoint in bf16 on a GPU (engine/devices.pick_dtype): so does the plan."""
+    c = get_preset("tiny-llama")
+    assert c.torch_dtype == "float32"
+    p = make_plan("tiny-llama", c, GiB)
+    assert p.weight_dtype == "bf16" and p.kv_bytes_per_token == kv_bytes_per_token(c, "bf16")
+
+
+def test_cli_bad_input_is_a_message_not_a_traceback():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "plan", "--model", "tiny-llama", "--tp", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "tokenmill: error: --tp 3" in r.stderr and "Traceback" not in r.stderr

@@ -132,5 +132,15 @@ def main(argv: list[str] | None = None) -> None:
     ns.func(ns)
 
 
+def run() -> None:
+    """The console entry point: bad input (a ValueError, whose message says what is wrong and what is allowed)
+    ends the command with that message and status 2, as argparse's own errors do, instead of a traceback."""
+    try:
+        main()
+    except ValueError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    main()
+    run()

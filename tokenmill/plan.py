@@ -40,7 +40,9 @@ def compute_dtype(weight_dtype: str) -> str:
 
 
 def auto_weight_dtype(config: ModelConfig) -> str:
-    return _HF_DTYPES.get(config.torch_dtype or "", "bf16")
+    """What the engine's "auto" picks on a GPU (engine/devices.pick_dtype): a 16-bit checkpoint's dtype, else
+    bf16 (float32 checkpoints too)."""
+    return _HF_DTYPES[config.torch_dtype] if config.torch_dtype in ("float16", "bfloat16") else "bf16"
 
 
 def kv_heads_per_rank(config: ModelConfig, tp: int) -> int:

@@ -50,6 +50,16 @@ def test_random_dataset_fixed_lengths_and_shared_prefix(tokenizer):
     assert specials and all(not (set(tokenizer.encode(r.prompt, add_special_tokens=False)) & specials) for r in reqs)
 
 
+@pytest.mark.parametrize("flags, match", [(["--goodput", "ttfx:500"], "goodput"),
+                                          (["--metric-percentiles", "p99"], "metric-percentiles"),
+                                          (["--request-rate", "0"], "request-rate")])
+def test_options_read_after_the_run_are_checked_before_it(flags, match):
+    """No server listens on port 9: the bad option is reported before any request is sent."""
+    ns = build_parser().parse_args(["bench", "serve", "--port", "9", *flags])
+    with pytest.raises(ValueError, match=match):
+        bench.run(ns)
+
+
 def test_arrival_delays():
     assert bench.arrival_delays(5, float("inf"), 1.0) == [0.0] * 5
     np.random.seed(0)

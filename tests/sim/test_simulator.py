@@ -162,6 +162,14 @@ def test_cli_simulate_table_plot_and_sweep(tmp_path, capsys):
     assert int(rows[0][7]) > 0 and int(rows[2][7]) == 0   # preemptions fall as the pool grows
 
 
+def test_cli_pool_from_a_byte_budget_is_capped_as_the_engine_caps_it(capsys):
+    """A KV budget in bytes buys at most max_num_seqs full contexts (ModelRunner._num_blocks): 2 x 256 / 16."""
+    main(["simulate", "--model", "llama-3-8b", "--num-prompts", "4", "--random-input-len", "50",
+          "--random-output-len", "8", "--kv-cache-memory", str(1 << 40), "--max-num-seqs", "2",
+          "--max-model-len", "256"])
+    assert "pool 32 blocks x 16" in capsys.readouterr().out
+
+
 def test_cli_fit_on_a_tiny_dummy_model(tmp_path, capsys):
     path = tmp_path / "cost.json"
     main(["simulate", "--fit", "--load-format", "dummy", "--model-preset", "tiny-llama", "--device", "cpu",

@@ -391,7 +391,22 @@ def add_serve_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None
     p.set_defaults(func=run)
 
 
+def check_args(ns: argparse.Namespace) -> None:
+    """The options read after the run, read before it: a typo must not cost the run."""
+    try:
+        percentiles = [float(p) for p in ns.metric_percentiles.split(",")]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles must be numbers separated by commas, got {ns.metric_percentiles!r}") \
+            from None
+    if not all(0 < p <= 100 for p in percentiles):
+        raise ValueError(f"--metric-percentiles must be in (0, 100], got {ns.metric_percentiles!r}")
+    parse_goodput(ns.goodput)
+    if not ns.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {ns.request_rate}")
+
+
 def run(ns: argparse.Namespace) -> dict[str, Any]:
+    check_args(ns)
     random.seed(ns.seed)
     np.random.seed(ns.seed)
     if ns.tokenizer is None:

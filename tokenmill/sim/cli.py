@@ -117,8 +117,10 @@ def pool_sizes(ns: argparse.Namespace, args: EngineArgs, plan: Plan, cost: CostM
         return [math.ceil(t / args.block_size) + 1 for t in ns.kv_tokens]
     if args.num_gpu_blocks_override:
         return [args.num_gpu_blocks_override]
+    # as ModelRunner._num_blocks: a budget in bytes never buys more than max_num_seqs full contexts
+    most = 1 + args.max_num_seqs * math.ceil(plan.max_model_len / args.block_size)
     if args.kv_cache_memory:
-        return [args.kv_cache_memory // (plan.kv_bytes_per_token * args.block_size)]
+        return [min(args.kv_cache_memory // (plan.kv_bytes_per_token * args.block_size), most)]
     if engine_blocks is not None:
         return [engine_blocks]
     if cost.meta.get("num_blocks") and cost.meta.get("block_size") == args.block_size:
@@ -126,7 +128,7 @@ def pool_sizes(ns: argparse.Namespace, args: EngineArgs, plan: Plan, cost: CostM
     if not plan.fits:
         raise ValueError(f"{plan.model} does not fit in {ns.memory} bytes ({plan.reason}); "
                          "pass --memory, --num-blocks or --kv-tokens")
-    return [plan.kv_blocks + 1]
+    return [min(plan.kv_blocks + 1, most)]
 
 
 def workload_classes(ns: argparse.Namespace) -> list[RequestClass]:
