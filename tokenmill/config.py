@@ -60,6 +60,19 @@ class ModelConfig:
                 and d["sliding_window"] < d.get("max_position_embeddings", 0):
             raise ValueError("Mistral with sliding-window attention is not supported (sliding_window="
                              f"{d['sliding_window']}); use a checkpoint with sliding_window null")
+        layer_types = d.get("layer_types") or (  # Qwen2/Qwen3: sliding layers from max_window_layers on
+            ["sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention"
+             for i in range(d["num_hidden_layers"])] if d.get("use_sliding_window") and d.get("sliding_window")
+            else [])
+        if arch != "MistralForCausalLM" and "sliding_attention" in layer_types \
+                and (d.get("sliding_window") or 0) < d.get("max_position_embeddings", 4096):
+            raise ValueError(f"{arch} with sliding-window attention is not supported (sliding_window="
+                             f"{d.get('sliding_window')} on {layer_types.count('sliding_attention')} layers); use a "
+                             "checkpoint with use_sliding_window false")
+        if arch != "Qwen2ForCausalLM" and d.get("attention_bias"):
+            raise ValueError(f"{arch} with attention_bias=true (a bias on o_proj too) is not supported")
+        if d.get("mlp_bias"):
+            raise ValueError(f"{arch} with mlp_bias=true is not supported")
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -150,6 +150,22 @@ def test_unsupported_architecture(tmp_path) -> None:
         load_model_config(folder)
 
 
+@pytest.mark.parametrize("extra, match", [
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 16,
+      "max_window_layers": 0}, "Qwen2ForCausalLM with sliding-window attention"),
+    ({"architectures": ["Qwen3ForCausalLM"], "layer_types": ["full_attention", "sliding_attention"],
+      "sliding_window": 16}, "Qwen3ForCausalLM with sliding-window attention"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+])
+def test_unsupported_attention_and_bias_options_are_refused(tmp_path, extra, match) -> None:
+    """transformers would run these (a sliding-window mask, biases on o_proj or the MLP); tokenmill has neither,
+    so it refuses them rather than compute other logits."""
+    folder = write_folder(tmp_path / "m", {**TINY_CONFIG, **extra}, weights=False)
+    with pytest.raises(ValueError, match=match):
+        load_model_config(folder)
+
+
 def test_no_weights(tmp_path) -> None:
     folder = write_folder(tmp_path / "m", weights=False)
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights in .*expected model\.safetensors"):
