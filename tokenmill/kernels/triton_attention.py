@@ -66,14 +66,23 @@ def _rotate(rows, offs_d, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def _kv_raw(k_cache_ptr, v_cache_ptr, table, t0, end, kv_head, offs_d, d_mask, table_cols, stride_cb, stride_ct,
-            stride_ch, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """The K and V tiles of tokens t0 .. t0 + TILE_N (before end) in the cache's dtype, and their token mask."""
-    offs_n = t0 + tl.arange(0, TILE_N)
+def _kv_rows(table, t0, end, kv_head, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr,
+             N: tl.constexpr):
+    """Cache offsets of tokens t0 .. t0 + N of one KV head (through the block table), and which are before end."""
+    offs_n = t0 + tl.arange(0, N)
     n_mask = offs_n < end
     col = offs_n // BLOCK_SIZE
     block = tl.load(table + col, mask=n_mask & (col < table_cols), other=0).to(tl.int64)
-    ptrs = (block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch)[:, None] + offs_d[None, :]
+    return block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch, n_mask
+
+
+@triton.jit
+def _kv_raw(k_cache_ptr, v_cache_ptr, table, t0, end, kv_head, offs_d, d_mask, table_cols, stride_cb, stride_ct,
+            stride_ch, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The K and V tiles of tokens t0 .. t0 + TILE_N (before end) in the cache's dtype, and their token mask."""
+    kv_off, n_mask = _kv_rows(table, t0, end, kv_head, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                              TILE_N)
+    ptrs = kv_off[:, None] + offs_d[None, :]
     kv_mask = n_mask[:, None] & d_mask[None, :]
     return tl.load(k_cache_ptr + ptrs, mask=kv_mask, other=0.0), tl.load(v_cache_ptr + ptrs, mask=kv_mask, other=0.0), \
         n_mask
@@ -166,11 +175,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
             k_nxt, v_nxt, n_nxt = _kv_raw(k_cache_ptr, v_cache_ptr, table, t0 + TILE_N, cached_end, kv_head, offs_d,
                                           d_mask, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE_N)
         else:
-            offs_n = t0 + tl.arange(0, TILE_N)
-            n_mask = offs_n < cached_end
-            col = offs_n // BLOCK_SIZE
-            block = tl.load(table + col, mask=n_mask & (col < table_cols), other=0).to(tl.int64)
-            kv_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            kv_off, n_mask = _kv_rows(table, t0, cached_end, kv_head, table_cols, stride_cb, stride_ct, stride_ch,
+                                      BLOCK_SIZE, TILE_N)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = _kv_tile(k_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -315,10 +321,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
         m_i = m_new
     for n0 in range(full_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        col = offs_n // BLOCK_SIZE
-        block = tl.load(table + col, mask=n_mask & (col < table_cols), other=0).to(tl.int64)
-        kv_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        kv_off, n_mask = _kv_rows(table, n0, end, kv_head, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                                  BLOCK_N)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = _kv_tile(k_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
