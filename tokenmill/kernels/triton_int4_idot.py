@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton_arrive import counters
-from tokenmill.kernels.triton_gemv import _store_rows, num_sms
+from tokenmill.kernels.triton_gemv import _store_rows, num_sms, one_row
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 from tokenmill.kernels.quant_ref import X_BLOCK
 
@@ -231,13 +231,7 @@ def int4_idot_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     kb = triton.cdiv(k, X_BLOCK)
     if qweight.shape[1] * 2 < kb * X_BLOCK:
         raise ValueError(f"packed weight rows hold {qweight.shape[1] * 2} inputs, fewer than {kb * X_BLOCK}")
-    x1 = x.reshape(k)
-    if x1.stride(0) != 1:
-        x1 = x1.contiguous()
-    if residual is not None:
-        if residual.numel() != n:
-            raise ValueError(f"residual has {residual.numel()} elements, the output {n}")
-        residual = residual.reshape(n).contiguous()
+    x1, residual = one_row(x, k, residual, n)
     pdl = pdl_args(x)
     kbp = triton.cdiv(kb, 2 * cfg.blocks) * 2 * cfg.blocks  # whole trips of two tiles: no load needs a mask
     buf = torch.empty(kbp * (2 * X_BLOCK + 8), dtype=torch.int8, device=x.device)
