@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant.formats import PACK_BLOCK, dequantize, unpack_int4
+from tokenmill.quant.formats import PACK_BLOCK, dequantize, round_half_away, unpack_int4
 
 FP8_MAX = 448.0
 KV_SCALE_BYTES = 4
@@ -42,7 +42,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     exp = (amax.view(torch.int32) >> 23) & 0xFF  # biased exponent of the largest |x|
     d = ((exp - 14).clamp_min(1) << 23).view(torch.float32)
     inv = ((254 - (exp - 14).clamp_min(1)) << 23).view(torch.float32)  # 1 / d exactly
-    xq = torch.round(xf * inv[:, None]).clamp(-32768, 32767).to(torch.int32)
+    xq = round_half_away(xf * inv[:, None]).clamp(-32768, 32767).to(torch.int32)
     return xq.view(-1), d, xf.sum(1)
 
 

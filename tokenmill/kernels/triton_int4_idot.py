@@ -9,9 +9,9 @@ llama.cpp's CUDA kernels multiply Q4 blocks by 8-bit x. Two bytes of x (a signed
 keep 16 bits instead of llama.cpp's 8.
 
 The fixed point (quant_ref.quantize_x is its definition and the kernels' twin): a block's scale d is the power of
-two for which its largest |x| / d lies in [2^14, 2^15); xq = rint(x / d) clamped to int16, xq = 256 hi + lo. A
-bf16 x has 8 significant bits, so every element at least 1/128 of its block's largest is exact, and a smaller one
-is off by at most d / 2 (2^-15 of that largest). The block's float sum of x goes beside it, for the groups' mins.
+two for which its largest |x| / d lies in [2^14, 2^15); xq = x / d rounded (ties away from zero) and clamped to
+int16, xq = 256 hi + lo. A bf16 x has 8 significant bits, so every element at least 1/128 of its block's largest
+is exact, and a smaller one is off by at most d / 2 (2^-15 of that largest). The block's float sum of x goes beside it, for the groups' mins.
 
 A 32-bit word of the packing holds bytes i..i+3 of a 32-input block: inputs i..i+3 in its low nibbles, i+16..i+19
 in its high ones. `w & 0x0F0F0F0F` gives the low nibbles as bytes, `w & 0xF0F0F0F0` the high ones times 16, and
@@ -78,7 +78,8 @@ def _quantize_x_kernel(x_ptr, xq_ptr, meta_ptr, K, KB, BLOCKS: tl.constexpr, PDL
     e = tl.maximum(exp - 14, 1)
     d = (e << 23).to(tl.float32, bitcast=True)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    xq = tl.extra.cuda.libdevice.rint(x * inv[:, None])
+    v = x * inv[:, None]
+    xq = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))  # ties away from zero, as every quantizer here
     xq = tl.minimum(tl.maximum(xq, -32768.0), 32767.0).to(tl.int32)
     b_mask = b < KB
     k_mask = b_mask[:, None]
