@@ -21,3 +21,24 @@ def test_invalid_params_name_param_value_and_range(kwargs, name):
 def test_stop_string_normalized():
     assert SamplingParams(stop="x").stop == ["x"]
     assert SamplingParams(temperature=0).greedy
+
+
+@pytest.mark.parametrize("bias, wrong", [
+    ([5, 1.0], "[5, 1.0]"), ({"5": 1.0}, "'5'"), ({-1: 1.0}, "-1"), ({True: 1.0}, "True"),
+    ({5: 100.5}, "100.5"), ({5: -101}, "-101"), ({5: float("nan")}, "nan"), ({5: float("inf")}, "inf"),
+    ({5: 10 ** 400}, "1" + "0" * 30), ({5: "up"}, "'up'"), ({5: True}, "True"),
+])
+def test_invalid_logit_bias_names_the_entry_and_what_is_allowed(bias, wrong):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(logit_bias=bias)
+    msg = str(e.value)
+    assert msg.startswith("logit_bias") and wrong in msg and "must be" in msg
+
+
+def test_logit_bias_normalized_and_checked_against_the_vocabulary():
+    p = SamplingParams(logit_bias={5: 100, 7: -100, 0: 0.5})
+    assert p.logit_bias == {5: 100.0, 7: -100.0, 0: 0.5} and all(type(v) is float for v in p.logit_bias.values())
+    assert SamplingParams(logit_bias={}).logit_bias is None  # an empty map costs the sampler nothing
+    p.verify_vocab(8)
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 6\) .*got \[7\]"):
+        p.verify_vocab(6)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on a logit_bias value
+
 
 class RequestOutputKind(enum.Enum):
     """When the engine reports a request: every step (the text so far and the new delta, for streaming), or only
@@ -30,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -44,6 +47,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self.logit_bias = self._checked_logit_bias()
 
     @staticmethod
     def _fail(name: str, value: object, allowed: str) -> None:
@@ -87,6 +91,31 @@ class SamplingParams:
             self._fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
         if not isinstance(self.output_kind, RequestOutputKind):
             self._fail("output_kind", self.output_kind, "a RequestOutputKind")
+
+    def _checked_logit_bias(self) -> dict[int, float] | None:
+        """A copy with float values, or None for an empty map: the sampler then skips the request at no cost."""
+        bias = self.logit_bias
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            self._fail("logit_bias", bias, "None or a dict mapping token ids to biases")
+        for token_id, value in bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            # NaN and infinities fail the range test; a huge int is compared without overflowing a float
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+                raise ValueError(f"logit_bias values must be finite numbers in [-{LOGIT_BIAS_LIMIT:g}, "
+                                 f"{LOGIT_BIAS_LIMIT:g}], got {value!r} for token {token_id}")
+        return {token_id: float(value) for token_id, value in bias.items()} or None
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Token ids checked against the model's vocabulary, which SamplingParams is built without: the engine
+        calls this when the request arrives, so a bad id is the caller's ValueError, not a failing step."""
+        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                             f"got {bad[:5]}")
 
     @property
     def greedy(self) -> bool:

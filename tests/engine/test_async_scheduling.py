@@ -1,7 +1,8 @@
 """Async scheduling (step N+1 launched before step N's tokens are read back, the pending tokens fed on the
 device) changes nothing a user sees: the same tokens, texts, finish reasons and logprobs as the synchronous
 engine, through EOS and stop strings, n > 1 with prefix sharing, chunked prefill, preemption, seeded sampling,
-penalties and logprobs (which fall back to synchronous steps) and aborts, with every KV block returned."""
+logit_bias (launched ahead: it reads no token on the host), penalties and logprobs (which fall back to synchronous
+steps) and aborts, with every KV block returned."""
 import pytest
 
 from tokenmill import LLM, SamplingParams
@@ -37,7 +38,8 @@ def test_same_outputs_as_synchronous(engines) -> None:
               SamplingParams(temperature=0, max_tokens=7),                                    # max_tokens
               SamplingParams(temperature=0, max_tokens=60, stop=["."]),                       # stop string
               SamplingParams(temperature=0.8, max_tokens=30, seed=3, n=2),                    # seeded, n > 1
-              SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, min_tokens=5,
+                             logit_bias={314: -100.0, 30: 2.0}),
               SamplingParams(temperature=0.7, top_k=20, max_tokens=25, seed=11)]
     runner = engines[True].llm_engine.runner
     launches = []

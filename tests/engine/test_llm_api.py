@@ -237,6 +237,10 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="token ids must be in"):  # a bad prompt leaves none of the call queued
         llm.generate([[1, 2, 3], [10 ** 9]])
     assert not engine.scheduler.requests
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"logit_bias token ids must be in \[0, {vocab}\)"):
+        engine.add_request("bias", [1, 2, 3], SamplingParams(logit_bias={vocab: 1.0}))
+    assert not engine.scheduler.requests
     with pytest.raises(ValueError, match="priorities"):
         llm.generate([[1, 2, 3], [4, 5]], priority=[0])
     for name in ("stop", "stop_token_ids"):

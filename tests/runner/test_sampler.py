@@ -80,6 +80,35 @@ def test_penalties_and_min_tokens():
     assert s(torch.tensor([[0.0, 4.0, 3.0, 0, 0, 0, 0, 0]]), [r]).token_ids == [2]
 
 
+def test_logit_bias_is_added_to_the_rows_that_have_it():
+    """A batch of rows with and without logit_bias: each biased entry moves by its bias, nothing else moves."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8)
+    biases = [None, {3: 100.0}, {1: -2.5, 6: 0.75}, None]
+    reqs = [req(i, temperature=0, logit_bias=b) for i, b in enumerate(biases)]
+    processed, _ = make().process(logits.clone(), reqs)
+    want = logits.clone()
+    for i, b in enumerate(biases):
+        for t, v in (b or {}).items():
+            want[i, t] += v
+    assert torch.equal(processed, want)
+
+
+def test_logit_bias_decides_greedy_and_sampled_tokens():
+    """+100 makes greedy and sampling pick a token, -100 bans the argmax; unbiased rows, logprobs (raw, as vLLM's
+    default) and ids past the sampler's vocabulary (a smaller draft model's) are untouched."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 8)
+    top = logits.argmax(-1)
+    reqs = [req(0, temperature=0), req(1, temperature=0, logit_bias={3: 100}),
+            req(2, temperature=1.0, seed=3, logit_bias={5: 100, 9: -100}), req(3, temperature=1.0, top_k=1),
+            req(4, temperature=0, logit_bias={int(top[4]): -100}, logprobs=1)]
+    out = make()(logits.clone(), reqs)
+    second = logits[4].topk(2).indices[1]
+    assert out.token_ids == [int(top[0]), 3, 5, int(top[3]), int(second)]
+    assert out.logprobs[4].top == {int(top[4]): pytest.approx(float(torch.log_softmax(logits[4], -1).max()))}
+
+
 def test_logprobs_are_log_softmax_with_top_k():
     logits = torch.randn(1, 8)
     out = make()(logits.clone(), [req(0, temperature=0, logprobs=3)])
@@ -92,10 +121,12 @@ def test_logprobs_are_log_softmax_with_top_k():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sampling_on_the_gpu_never_waits_for_the_device(no_device_sync) -> None:
-    """Greedy, filtered, seeded, penalized and min_tokens rows in one batch, all queued without a host wait."""
+    """Greedy, filtered, seeded, penalized, min_tokens and logit_bias rows in one batch, all queued without a host
+    wait."""
     sampler = Sampler(50, eos_token_ids=[0], device=torch.device("cuda"), seed=0)
     reqs = [req(0, temperature=0), req(1, temperature=0.6, top_k=5, top_p=0.9, min_p=0.05),
-            req(2, temperature=1.0, seed=7, repetition_penalty=1.2, min_tokens=3)]
-    tokens, _ = sampler.sample(torch.randn(3, 50, device="cuda"), reqs)
+            req(2, temperature=1.0, seed=7, repetition_penalty=1.2, min_tokens=3),
+            req(3, temperature=0, logit_bias={17: 100, 4: -1.5})]
+    tokens, _ = sampler.sample(torch.randn(4, 50, device="cuda"), reqs)
     torch.cuda.set_sync_debug_mode(0)
-    assert tokens.shape == (3,) and tokens.min().item() >= 0
+    assert tokens.shape == (4,) and tokens.min().item() >= 0 and tokens[3].item() == 17

@@ -137,11 +137,46 @@ def test_logprobs(client, model_name):
     assert lp.text_offset[0] == 0
 
 
+def one_token(server, text: str) -> int:
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_logit_bias_changes_the_greedy_token(server, client, model_name):
+    """+100 on a token makes greedy pick it, on both endpoints; -100 on the greedy token makes it pick another."""
+    prompt = "The capital of France is"
+    free = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+    banana = one_token(server, " banana")
+    assert free != " banana"
+    forced = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={str(banana): 100})
+    assert forced.choices[0].text == " banana"
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES, max_completion_tokens=1,
+                                          temperature=0, logit_bias={str(banana): 100})
+    assert chat.choices[0].message.content == " banana"
+    banned = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={str(one_token(server, free)): -100})
+    assert banned.choices[0].text != free
+
+
 def test_tokenize_detokenize_roundtrip(server):
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024
     d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
     assert d == {"prompt": "Hello world"}
+
+
+def test_chat_prompt_round_trips_through_tokenize_and_detokenize(server):
+    """/detokenize keeps special tokens, as vLLM's does: the ids of a chat prompt come back as the rendered chat
+    template, role markers included, and that text tokenizes to the same ids."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    again = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert again["tokens"] == ids
 
 
 def test_openapi_schema(server):
@@ -154,7 +189,8 @@ def test_openapi_schema(server):
     chat = schemas["ChatCompletionRequest"]["properties"]
     for field in ("messages", "stream", "stream_options", "n", "stop", "seed", "logprobs", "top_logprobs", "max_tokens",
                   "max_completion_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "user",
-                  "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority"):
+                  "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "logit_bias", "response_format",
+                  "tools", "tool_choice"):
         assert field in chat, field
     assert chat["temperature"]["maximum"] == 2.0
     assert "ChatCompletionChunk" in schemas and "ErrorResponse" in schemas

@@ -57,6 +57,12 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, conta
     ({"messages": OK_MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": OK_MESSAGES, "timeout_s": -1}, "timeout_s"),
     ({"messages": OK_MESSAGES, "priority": 10 ** 400}, "priority"),
+    ({"messages": OK_MESSAGES, "logit_bias": [1]}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"hello": 1}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"5": "up"}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "a lone \ud800 surrogate"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages.0.content"),
 ])
@@ -74,9 +80,82 @@ def test_bad_chat_requests_are_400(server, body, param):
     ({"prompt": "hi", "max_tokens": 2000}, "max_tokens"),
     ({"prompt": "hi \ud800 there"}, "prompt"),
     ({"prompt": "hi", "stop": ["\udfff"]}, "stop"),
+    ({"prompt": "hi", "logit_bias": {"5": float("nan")}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"100000000": 1}}, "logit_bias"),
 ])
 def test_bad_completion_requests_are_400(server, body, param):
-    assert_error(post(server, "/v1/completions", body), 400, param)
+    assert_error(post(server, "/v1/completions", json.dumps(body, allow_nan=True)), 400, param)
+
+
+@pytest.mark.parametrize("body, param, contains", [
+    ({"tokens": [-1]}, "tokens", "token ids must be in [0, "),
+    ({"tokens": [49152]}, "tokens", "got [49152]"),                      # one past the vocabulary
+    ({"tokens": [10 ** 30]}, "tokens", "token ids must be in [0, "),     # the tokenizer's OverflowError
+    ({"tokens": [5] * 1_000_000 + [-7]}, "tokens", "got [-7]"),          # one bad id at the end of a long list
+    ({"tokens": [1.0]}, "tokens.0", "integer"),
+    ({"tokens": None}, "tokens", "list"),
+    ({}, "tokens", "required"),
+])
+def test_bad_detokenize_requests_are_400(server, body, param, contains):
+    assert_error(post(server, "/detokenize", body), 400, param, contains)
+
+
+@pytest.mark.parametrize("body, param, contains", [
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": "hi"}, "messages", "list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "'user'"),
+    ({"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens", "boolean"),
+    ({"prompt": 5}, "prompt", "string"),
+    ({"prompt": "a lone \ud800"}, "prompt", "lone surrogate"),
+    ({}, "prompt", "required"),
+])
+def test_bad_tokenize_requests_are_400_about_the_request_they_meant(server, body, param, contains):
+    """A body with messages is a chat request, any other a prompt: the error is about that request alone, not
+    also "prompt: Field required" beside a problem with the messages (or the reverse)."""
+    err = assert_error(post(server, "/tokenize", body), 400, param, contains)
+    assert ("prompt" if "messages" in body else "messages") not in err["message"], err
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("chat, field, kwargs", [
+    (True, "response_format", dict(response_format={"type": "json_object"})),
+    (True, "response_format", dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}})),
+    (True, "tools", dict(tools=[TOOL])),
+    (True, "tool_choice", dict(tool_choice="auto")),
+    (True, "tool_choice", dict(tool_choice={"type": "function", "function": {"name": "f"}})),
+    (True, "functions", dict(functions=[TOOL["function"]])),
+    (True, "function_call", dict(function_call="auto")),
+    (True, "echo", dict(extra_body={"echo": True})),
+    (True, "prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
+    (False, "echo", dict(echo=True)),
+    (False, "suffix", dict(suffix="!")),
+    (False, "best_of", dict(best_of=2)),
+    (False, "response_format", dict(extra_body={"response_format": {"type": "json_object"}}, stream=True)),
+    (False, "prompt_logprobs", dict(extra_body={"prompt_logprobs": 0})),
+])
+def test_unsupported_fields_are_refused_by_name(client, model_name, chat, field, kwargs):
+    """OpenAI and vLLM fields that tokenmill does not implement are a 400 naming the field, not ignored."""
+    with pytest.raises(openai.BadRequestError) as e:
+        if chat:
+            client.chat.completions.create(model=model_name, messages=OK_MESSAGES, max_tokens=2, **kwargs)
+        else:
+            client.completions.create(model=model_name, prompt="hi", max_tokens=2, **kwargs)
+    err = e.value.body
+    assert err["param"] == field and err["code"] == "unsupported_parameter", err
+    assert err["message"].startswith(field) and "not supported" in err["message"], err
+
+
+def test_unsupported_fields_at_their_neutral_values_are_accepted(client, model_name):
+    """What asks for nothing beyond plain text is no reason to refuse a request."""
+    r = client.chat.completions.create(model=model_name, messages=OK_MESSAGES, max_tokens=2,
+                                       response_format={"type": "text"}, tools=[], tool_choice="none",
+                                       function_call="none", extra_body={"echo": False, "ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+    r = client.completions.create(model=model_name, prompt="hi", max_tokens=2, n=2, best_of=2, echo=False,
+                                  extra_body={"ignore_eos": True, "some_unknown_field": 1})
+    assert r.usage.completion_tokens == 4
 
 
 def test_prompt_longer_than_context_names_both_lengths(server):
@@ -104,7 +183,8 @@ def test_openai_client_raises_bad_request(client, model_name):
 def test_random_garbage_never_500(server):
     rng = random.Random(0)
     fields = ["messages", "prompt", "model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream",
-              "logprobs", "top_logprobs", "stream_options", "top_k", "priority", "ignore_eos", "timeout_s"]
+              "logprobs", "top_logprobs", "stream_options", "top_k", "priority", "ignore_eos", "timeout_s",
+              "logit_bias", "response_format", "tools", "tool_choice", "echo", "best_of"]
     values = [None, 0, -1, 1.5, 10 ** 30, "", "x", [], [1], [[1, 2]], {}, {"role": "user"}, True, "\u0000", [None],
               [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], float("nan")]
     for _ in range(60):

@@ -116,3 +116,21 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     batched = llm.generate(ps, [params if i == 1 else SamplingParams(temperature=1.0, max_tokens=20) for i in range(6)])
     assert batched[1].outputs[0].token_ids == alone
     assert llm.llm_engine.get_stats()["spec_num_verifications"] > 0
+
+
+def test_logit_bias_applies_to_verification_and_drafts():
+    """Greedy with logit_bias under speculation is plain decoding with that bias: the target's verification
+    applies it, and so does the draft model (else its drafts, the unbiased argmax, would mostly be rejected)."""
+    ps = prompts(6, seed=5)
+    rng = random.Random(5)
+    bias = {t: rng.choice((-4.0, 4.0)) for t in rng.sample(range(3, 256), 40)}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias=bias)
+    plain = make()
+    want = token_ids(plain.generate(ps, params))
+    assert all(w != u for w, u in zip(want, token_ids(plain.generate(ps, GREEDY))))
+    for spec in ("ngram", "draft:self"):
+        llm = make(spec, 4)
+        assert token_ids(llm.generate(ps, params)) == want
+        stats = llm.llm_engine.get_stats()
+        floor = 0.9 if spec == "draft:self" else 0.0  # same weights, same bias: the draft's argmax is the target's
+        assert stats["spec_num_accepted_tokens"] > floor * stats["spec_num_draft_tokens"]

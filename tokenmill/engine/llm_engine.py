@@ -162,6 +162,7 @@ class LLMEngine:
                 or not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT):
             raise ValueError(f"priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {priority!r}")
         text, ids = self.encode_prompt(prompt)
+        params.verify_vocab(self.model_config.vocab_size)
         self.scheduler.check_request(len(ids), params.max_tokens)
         if len(self.scheduler.waiting) + params.n > self.scheduler.config.max_queue_len:
             self.scheduler.stats.num_rejected += 1

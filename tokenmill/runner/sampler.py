@@ -1,4 +1,4 @@
-"""Batched sampling on the device: penalties, temperature, top-k / top-p / min-p, per-request seeds,
+"""Batched sampling on the device: logit_bias, penalties, temperature, top-k / top-p / min-p, per-request seeds,
 logprobs. Sampling uses the exponential-race form (argmax of p / Exp(1) noise) so a seeded request
 draws its noise from its own generator and gets the same tokens whatever batch it is in."""
 from __future__ import annotations
@@ -37,6 +37,27 @@ class Sampler:
             gen = torch.Generator(device=self.device).manual_seed(req.sampling_params.seed)
             self.request_generators[req.request_id] = gen
         return gen
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Each request's logit_bias added to its row: one index_put_ for the batch, over the biased entries only.
+        Ids past this sampler's vocabulary (a draft model's may be smaller than the target's) are left out."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        vocab = logits.shape[1]
+        for i, r in enumerate(reqs):
+            bias = r.sampling_params.logit_bias
+            if not bias:
+                continue
+            if max(bias) >= vocab:
+                bias = {t: b for t, b in bias.items() if t < vocab}
+            rows += [i] * len(bias)
+            cols += bias.keys()
+            vals += bias.values()
+        if rows:
+            index = device_tensor([rows, cols], torch.long, logits.device)
+            logits.index_put_((index[0], index[1]), device_tensor(vals, logits.dtype, logits.device), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.repetition_penalty != 1.0
@@ -92,12 +113,14 @@ class Sampler:
         return tokens, raw_logprobs
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cut to the vocabulary, apply penalties and min_tokens in place; also the raw log-softmax when a
-        request asks for logprobs. Speculative verification shares this, so its target distribution is
-        exactly the one sampled here."""
+        """Cut to the vocabulary, apply logit_bias, penalties and min_tokens in place, in vLLM's order; also the
+        raw log-softmax (before any of them: vLLM's default logprobs mode) when a request asks for logprobs.
+        Speculative verification and the draft proposer share this, so their distributions are exactly the
+        one sampled here."""
         logits = logits[:, : self.vocab_size]
         want = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
+        self._apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         self._suppress_stop_tokens(logits, reqs)
         return logits, raw_logprobs

@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Union
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import Discriminator, Tag
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncEngine
@@ -35,6 +36,18 @@ logger = logging.getLogger(__name__)
 
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 DASHBOARD_PERIOD_S = 1.0
+
+
+def _tokenize_kind(body: Any) -> str:
+    """A body with messages is a chat request, any other a prompt: a bad body then gets the errors of the request it
+    meant, not also those of the other ("prompt: Field required" beside a problem with its messages)."""
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
+
+
+# the tags are class names, which error params leave out (errors._param)
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+                                  Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]],
+                            Discriminator(_tokenize_kind)]
 
 
 @dataclass
@@ -107,7 +120,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
                                          max_model_len=engine.max_model_len)])
 
     @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"], responses=_errors(400, 404, 413))
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered with the chat template."""
         serving.check_model(body.model)
         if engine.tokenizer is None:
@@ -120,6 +133,8 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
 
     @app.post("/detokenize", response_model=DetokenizeResponse, tags=["tokenizer"], responses=_errors(400, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids with special tokens kept, as vLLM's: /tokenize's ids of chat messages come back
+        as the rendered chat template, and tokenize again to the same ids."""
         serving.check_model(body.model)
         if engine.tokenizer is None:
             raise APIError(400, "this server has no tokenizer (dummy weights)")
@@ -127,7 +142,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens", "invalid_value")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     @app.get("/health", response_model=HealthResponse, tags=["server"], responses=_errors(503))
     async def health() -> Response:

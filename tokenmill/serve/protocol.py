@@ -1,10 +1,12 @@
 """Request and response bodies of the API: OpenAI's shapes plus tokenmill's extra sampling fields.
 
 They are the contract: FastAPI validates every request against them (strictly: "1" is not a number, true is not
-an integer) and publishes them at /openapi.json. Unknown fields are ignored, as OpenAI-compatible servers do."""
+an integer) and publishes them at /openapi.json. OpenAI and vLLM fields that tokenmill does not implement are
+declared too, so that a request setting one is refused (`unsupported()`) rather than answered as if it had been
+honoured; other unknown fields are ignored, as OpenAI-compatible servers do."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -64,6 +66,25 @@ class SamplingRequest(_Request):
     priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT,
                           description="tokenmill: lower runs first under --scheduling-policy priority")
     timeout_s: float | None = Field(None, gt=0.0, description="tokenmill: abort the request after this many seconds")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string of digits) -> bias in [-100, 100], added to its logit before sampling")
+    response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
+    echo: bool = Field(False, description="not supported: true is refused")
+    prompt_logprobs: int | None = Field(None, description="vLLM's; not supported: refused unless null")
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, message) for each field set to something tokenmill does not implement."""
+        out = []
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            out.append(("response_format", f"response_format {self.response_format!r} is not supported: tokenmill "
+                                           'generates free text only; omit it or send {"type": "text"}'))
+        if self.echo:
+            out.append(("echo", "echo is not supported: the prompt is not returned with the output; omit echo or "
+                                "send false"))
+        if self.prompt_logprobs is not None:
+            out.append(("prompt_logprobs", "prompt_logprobs is not supported: logprobs are given for generated "
+                                           "tokens only; omit prompt_logprobs"))
+        return out
 
 
 # ---- chat completions -----------------------------------------------------------------------------
@@ -91,6 +112,24 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="default: what the context leaves")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: refused unless null or empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='not supported: refused unless null or "none"')
+    functions: list[dict[str, Any]] | None = Field(None, description="deprecated by OpenAI; not supported: refused "
+                                                                     "unless null or empty")
+    function_call: str | dict[str, Any] | None = Field(None, description='deprecated by OpenAI; not supported: '
+                                                                         'refused unless null or "none"')
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                out.append((name, f"{name} is not supported: tokenmill does not implement tool calling; omit {name}"))
+        for name in ("tool_choice", "function_call"):
+            value = getattr(self, name)
+            if value is not None and value != "none":
+                out.append((name, f"{name} {value!r} is not supported: tokenmill does not implement tool calling; "
+                                  f'omit {name} or send "none"'))
+        return out
 
 
 class TopLogprob(BaseModel):
@@ -161,6 +200,18 @@ class CompletionRequest(SamplingRequest):
         description="a prompt, a list of prompts, or token ids (one list or a list of lists)")
     max_tokens: int | None = Field(16, ge=1, description="null: what the context leaves")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k alternatives per token")
+    suffix: str | None = Field(None, description="not supported: refused unless null")
+    best_of: int | None = Field(None, description="not supported: refused unless null or equal to n")
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.suffix is not None:
+            out.append(("suffix", "suffix is not supported: tokenmill completes a prompt, it does not insert text; "
+                                  "omit suffix"))
+        if self.best_of is not None and self.best_of != self.n:
+            out.append(("best_of", f"best_of={self.best_of} is not supported: every sample is returned; omit "
+                                   "best_of or set it to n"))
+        return out
 
 
 class CompletionLogprobs(BaseModel):

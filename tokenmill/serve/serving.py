@@ -109,6 +109,10 @@ class OpenAIServing:
             raise APIError(400, "this server has no tokenizer (dummy weights); text generation is unavailable")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        unsupported = req.unsupported()
+        if unsupported:  # refused, not ignored: a client setting one expects it honoured
+            name, message = unsupported[0]
+            raise APIError(400, message, name, "unsupported_parameter")
 
     def _max_tokens(self, prompt_len: int, requested: int | None, what: str) -> int:
         limit = self.max_model_len
@@ -127,16 +131,30 @@ class OpenAIServing:
                            "context_length_exceeded")
         return requested
 
-    @staticmethod
-    def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """JSON's keys are strings: OpenAI's token ids in decimal digits. int() alone would also take ' 1', '+1'
+        and '1_0', and fail on more than 4300 digits."""
+        if bias is None:
+            return None
+        bad = [k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 18)]
+        if bad:
+            vocab = self.engine.engine.model_config.vocab_size
+            raise APIError(400, f"logit_bias keys must be token ids, decimal integers in [0, {vocab}), got "
+                                f"{bad[0][:40]!r}", "logit_bias", "invalid_value")
+        return {int(k): v for k, v in bias.items()}
+
+    def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        logit_bias = self._logit_bias(req.logit_bias)
         try:
-            return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                  min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  seed=req.seed, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs)
+            params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                    min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                    seed=req.seed, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
+                                    logprobs=logprobs, logit_bias=logit_bias)
+            params.verify_vocab(self.engine.engine.model_config.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from e
+        return params
 
     async def _add(self, prompts: list[tuple[str, list[int], SamplingParams]],
                    req: SamplingRequest) -> list[RequestStream]:
