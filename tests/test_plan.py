@@ -177,3 +177,17 @@ def test_cli_bad_input_is_a_message_not_a_traceback():
     r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "plan", "--model", "tiny-llama", "--tp", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "tokenmill: error: --tp 3" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--block-size", "0"], "--block-size must be at least 1, got 0"),               # ZeroDivisionError
+    (["--max-model-len", "-1"], "--max-model-len must be at least 1, got -1"),        # ZeroDivisionError
+    (["--avg-context", "-1"], "--avg-context must be at least 1, got -1"),            # ZeroDivisionError
+    (["--memory", "-1"], "--memory must be at least 1, got -1"),                      # "fits NO"
+    (["--max-num-seqs", "-1"], "--max-num-seqs must be at least 1, got -1"),          # negative logits reserve
+    (["--gpu-memory-utilization", "-1"], "--gpu-memory-utilization must be in"),      # "fits NO"
+    (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization must be in"),     # "cannot convert float NaN"
+])
+def test_cli_sizes_out_of_range_are_refused(flags, match):
+    with pytest.raises(ValueError, match=match):
+        main(["plan", "--model", "llama-3-8b", *flags])

@@ -7,7 +7,6 @@ import json
 import os
 
 import gguf
-import jinja2
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
@@ -176,8 +175,31 @@ def test_chat_template_helpers(tmp_path, hf_gguf_tokenizer) -> None:
     tok = load_tokenizer(hf_folder(tmp_path, hf_gguf_tokenizer, chat_template=CUSTOM_TEMPLATE))
     rendered = tok.apply_chat_template([{"role": "user", "content": "x"}])
     assert rendered == "<|im_start|>[user] x<|im_end|>\n[assistant] 4"
-    with pytest.raises(jinja2.TemplateError, match="unknown role tool"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json could not render these messages "
+                                         r"\(TemplateError: unknown role tool\)"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize("template, error", [
+    ("{{ messages[0].content + 1 }}", "TypeError: can only concatenate str"),
+    ("{{ messages[0].nope.deeper }}", "UndefinedError: 'dict object' has no attribute 'nope'"),
+])
+def test_chat_template_that_fails_names_the_template(tmp_path, hf_gguf_tokenizer, template, error) -> None:
+    """A template failing inside jinja used to surface as jinja's (or Python's) bare exception."""
+    folder = hf_folder(tmp_path, hf_gguf_tokenizer, chat_template=template)
+    tok = load_tokenizer(folder)
+    with pytest.raises(ValueError, match=rf"the chat template of {tmp_path}/tokenizer_config\.json could not "
+                                         rf"render these messages \({error}"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_syntax_error_names_the_file(tmp_path, hf_gguf_tokenizer) -> None:
+    """A template that does not compile failed the tokenizer's load with a TemplateSyntaxError naming no file."""
+    folder = hf_folder(tmp_path, hf_gguf_tokenizer)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    with pytest.raises(ValueError, match=rf"the chat template {tmp_path}/chat_template\.jinja is not a valid jinja2 "
+                                         r"chat template \(line 1: Unexpected end of template"):
+        load_tokenizer(folder)
 
 
 def test_generation_config_eos(tmp_path, hf_gguf_tokenizer) -> None:

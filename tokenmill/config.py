@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.quant.formats import QuantFormat
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 _DTYPES = {
@@ -22,6 +24,26 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
+
+
+def parse_draft(speculative: str) -> tuple[str, str | None]:
+    """'draft:<model>[@<quantization>]' -> (model, quantization); <model> 'self' is the target's checkpoint.
+    The quantization is one tokenmill can apply at load: 'gguf' (a GGUF's own blocks) or an int8 / int4 name."""
+    body = speculative[len("draft:"):]
+    model, at, quant = body.partition("@")
+    if not model or (at and not quant):
+        raise ValueError(f"speculative={speculative!r}: expected 'draft:<model>' or 'draft:<model>@<quantization>' "
+                         "(<model>: a model path, or 'self' for the target's own weights)")
+    if quant and quant != "gguf":
+        try:
+            QuantFormat.parse(quant)
+        except ValueError as e:
+            raise ValueError(f"speculative={speculative!r}: the draft's {e}, or gguf") from None
+    return model, quant or None
+
+
+# config.json sizes the model cannot be built without
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -51,6 +73,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
+        if not isinstance(archs, list):
+            raise ValueError(f"'architectures' must be a list such as [\"LlamaForCausalLM\"], got {archs!r}")
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; expected one of " + ", ".join(SUPPORTED_ARCHITECTURES))
         arch = archs[0]
@@ -73,7 +97,15 @@ class ModelConfig:
             raise ValueError(f"{arch} with attention_bias=true (a bias on o_proj too) is not supported")
         if d.get("mlp_bias"):
             raise ValueError(f"{arch} with mlp_bias=true is not supported")
-        heads = d["num_attention_heads"]
+        for key in _REQUIRED_SIZES:
+            value = d.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key!r} must be a positive integer, got "
+                                 f"{'nothing' if key not in d else repr(value)}")
+        heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+        if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"'num_key_value_heads' must be a positive integer dividing "
+                             f"num_attention_heads={heads}, got {kv_heads!r}")
         eos = d.get("eos_token_id")
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope_scaling = d.get("rope_scaling")
@@ -90,7 +122,7 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            num_key_value_heads=kv_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
@@ -191,6 +223,17 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        # checked here too, not only by SchedulerConfig: the KV pool is sized from them before the scheduler
+        # exists, where a bad value surfaces as a misleading "KV budget" error or a crash
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be an integer >= 1 (or unset: the model's), "
+                             f"got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2 (block 0 is the null block), "
+                             f"got {self.num_gpu_blocks_override}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -201,12 +244,28 @@ class EngineArgs:
                              "num_gpu_blocks_override, not several")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):
-            raise ValueError(f"speculative must be 'ngram' or 'draft:<model>[@<quantization>]', "
-                             f"got {self.speculative!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        self._check_speculative()
         self._check_parallel()
+
+    def _check_speculative(self) -> None:
+        """Speculative options, checked before any model loads: a bad draft spec would otherwise surface only
+        after the target is loaded, a non-integer count as a TypeError deep in the scheduler, and a huge one as
+        a step that scans that many draft lengths per request."""
+        spec = self.speculative
+        if spec is None:
+            return
+        if not isinstance(spec, str) or (spec != "ngram" and not spec.startswith("draft:")):
+            raise ValueError(f"speculative must be 'ngram' or 'draft:<model>[@<quantization>]', got {spec!r}")
+        if spec.startswith("draft:"):
+            parse_draft(spec)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        k, budget = self.num_speculative_tokens, self.max_num_batched_tokens
+        if not 1 <= k < budget:
+            raise ValueError(f"num_speculative_tokens must be in [1, max_num_batched_tokens - 1 = {budget - 1}] "
+                             f"(a request's newest token and its drafts share one step's token budget), got {k}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")

@@ -146,12 +146,27 @@ class Plan:
     reason: str
 
 
+def _check_sizes(memory: int, gpu_memory_utilization: float, block_size: int, max_model_len: int | None,
+                 avg_context: int | None, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    """The sizes the arithmetic divides by or counts with: a zero block size or a negative context would divide by
+    zero, a negative memory or utilization would give a plan that reads as if it meant something."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    for flag, value in (("--memory", memory), ("--block-size", block_size), ("--max-model-len", max_model_len),
+                        ("--avg-context", avg_context), ("--max-num-batched-tokens", max_num_batched_tokens),
+                        ("--max-num-seqs", max_num_seqs)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+
+
 def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = "auto", kv_dtype: str = "auto",
               max_model_len: int | None = None, tp: int = 1, gpu_memory_utilization: float = 0.9,
               block_size: int = 16, avg_context: int | None = None, max_num_batched_tokens: int = 2048,
               max_num_seqs: int = 256, group_size: int = 128, quantize_lm_head: bool = False) -> Plan:
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
+    _check_sizes(memory, gpu_memory_utilization, block_size, max_model_len, avg_context, max_num_batched_tokens,
+                 max_num_seqs)
     weight_dtype = auto_weight_dtype(config) if weight_dtype == "auto" else weight_dtype
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r} is not one of auto, {', '.join(WEIGHT_DTYPES)}")

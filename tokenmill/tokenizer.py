@@ -62,16 +62,27 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template refused or failed to render a conversation."""
+
+
 class Tokenizer:
     """encode/decode and chat templating. BOS/EOS insertion lives in the backend's post-processor, so
     `encode(text, add_special_tokens=True)` adds exactly what the model's tokenizer config asks for."""
 
     def __init__(self, backend: Backend, special_tokens: dict[str, str], eos_token_ids: list[int],
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, template_source: str = "the chat template") -> None:
         self.backend = backend
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.chat_template = chat_template
-        self._template = _compile_chat_template(chat_template) if chat_template else None
+        self.template_source = template_source   # where the template came from, for its errors
+        self._template = None
+        if chat_template:
+            try:
+                self._template = _compile_chat_template(chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"{template_source} is not a valid jinja2 chat template (line {e.lineno}: "
+                                 f"{e.message})") from e
         eos = self.token_to_id(self.special_tokens.get("eos_token"))
         self.eos_token_ids = list(dict.fromkeys(([eos] if eos is not None else []) + list(eos_token_ids)))
         self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
@@ -100,9 +111,13 @@ class Tokenizer:
         """Render the conversation into the prompt text the model was trained on."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
-        return self._template.render(messages=messages, tools=tools, documents=None,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **{**self.special_tokens, **kwargs})
+        try:
+            return self._template.render(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **{**self.special_tokens, **kwargs})
+        except Exception as e:  # raise_exception() in the template, or any error inside jinja while rendering
+            raise ChatTemplateError(f"{self.template_source} could not render these messages "
+                                    f"({type(e).__name__}: {e})") from e
 
 
 def _content(token: Any) -> str | None:
@@ -156,11 +171,13 @@ def _load_hf_tokenizer(model_dir: str) -> Tokenizer:
     if os.path.isfile(template_path):
         with open(template_path, encoding="utf-8") as f:
             template = f.read()
+        source = f"the chat template {template_path}"
     else:
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return Tokenizer(backend, special, generation_eos_ids(model_dir), template)
+        source = f"the chat template of {config_path}"
+    return Tokenizer(backend, special, generation_eos_ids(model_dir), template, source)
 
 
 def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
@@ -264,7 +281,8 @@ def _load_gguf_tokenizer(path: str) -> Tokenizer:
     _set_bos_eos(backend, special["bos_token"], special["eos_token"],
                  bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
                  bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False)))
-    return Tokenizer(backend, special, gguf_eos_ids(reader), gguf_field(reader, "tokenizer.chat_template"))
+    return Tokenizer(backend, special, gguf_eos_ids(reader), gguf_field(reader, "tokenizer.chat_template"),
+                     f"the chat template of {path} (tokenizer.chat_template)")
 
 
 def load_tokenizer(path: str) -> Tokenizer:

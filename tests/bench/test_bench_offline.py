@@ -173,3 +173,30 @@ def test_profile(tmp_path) -> None:
         assert 0 < row["schedule_ms"] < row["step_ms"] and row["prepare_input_ms"] < row["execute_ms"]
     assert [v["query_len"] for v in r["verify"]] == [1, 3] and r["verify"][0]["x_one_token"] == 1.0
     assert all(v["ms"] > 0 for v in r["verify"])
+
+
+SMALL = ["--max-input-len", "8", "--max-output-len", "4"]   # keeps a run short where a bad count was accepted
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["latency", "--num-iters", "0"], "--num-iters must be at least 1, got 0"),           # IndexError in median
+    (["latency", "--num-warmup", "-1"], "--num-warmup must be at least 0, got -1"),
+    (["latency", "--output-len", "1"], "--output-len must be at least 2, got 1"),         # after the warm-up
+    (["throughput", "--num-requests", "0", *SMALL], "--num-requests must be at least 1, got 0"),   # a row of 0s
+    (["throughput", "--min-output-len", "0", *SMALL], "--min-output-len must be at least 1, got 0"),
+    (["ablation", "--naive-requests", "0", *SMALL], "--naive-requests must be at least 1, got 0"),  # max() of []
+    (["multiturn", "--num-turns", "0"], "--num-turns must be at least 1, got 0"),         # ZeroDivisionError
+    (["multiturn", "--num-conversations", "-1"], "--num-conversations must be at least 1, got -1"),
+    (["profile", "--num-steps", "0"], "--num-steps must be at least 1, got 0"),           # ZeroDivisionError
+    (["profile", "--batch-sizes", "0"], "--batch-sizes must be at least 1, got 0"),       # an empty profile
+    (["profile", "--verify-context", "0"], "--verify-context must be at least 1, got 0"),  # IndexError in torch
+    (["profile", "--verify-query-lens", "0"], "--verify-query-lens must be at least 1, got 0"),   # RuntimeError
+    (["profile", "--verify-context", "4", "--verify-query-lens", "1", "8"], "at most --verify-context"),
+    (["compare-hf", "--repeats", "0"], "--repeats must be at least 1, got 0"),            # IndexError in median
+    (["latency", "--num-gpu-blocks-override", "-1"], "num_gpu_blocks_override must be >= 2"),     # RuntimeError
+    (["latency", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),         # "KV budget holds 1"
+    (["latency", "--max-model-len", "-1"], "max_model_len must be an integer >= 1"),      # "KV budget holds 1"
+])
+def test_bad_counts_are_refused_before_an_engine_is_built(argv, match):
+    with pytest.raises(ValueError, match=match):
+        main(["bench", *argv, *TINY])

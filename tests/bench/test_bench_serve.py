@@ -60,6 +60,20 @@ def test_options_read_after_the_run_are_checked_before_it(flags, match):
         bench.run(ns)
 
 
+@pytest.mark.parametrize("flags, match", [
+    (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),           # hung: a pool of 0 connections
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),                       # numpy's "Seed must be between"
+    (["--max-concurrency", "0"], "--max-concurrency must be at least 1, got 0"),   # silently unlimited
+    (["--random-output-len", "0"], "--random-output-len must be at least 1, got 0"),   # silently 1
+    (["--random-prefix-len", "-1"], "--random-prefix-len must be at least 0, got -1"),
+    (["--burstiness", "nan"], "--burstiness must be > 0"),                         # NaN send times
+])
+def test_counts_out_of_range_are_refused_before_the_run(flags, match):
+    ns = build_parser().parse_args(["bench", "serve", "--port", "9", *flags])
+    with pytest.raises(ValueError, match=match):
+        bench.check_args(ns)
+
+
 def test_arrival_delays():
     assert bench.arrival_delays(5, float("inf"), 1.0) == [0.0] * 5
     np.random.seed(0)

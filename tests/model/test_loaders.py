@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tokenmill.config import SUPPORTED_ARCHITECTURES
 from tokenmill.layers.layernorm import RMSNorm
@@ -252,3 +252,110 @@ def test_bad_load_format(tmp_path) -> None:
         load_model_config(write_folder(tmp_path / "m", weights=False), "pt")
     with pytest.raises(FileNotFoundError, match="load_format='safetensors' expects a Hugging Face model folder"):
         load_model_config(default_model_path(), "safetensors")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_size": None}, "'hidden_size' must be a positive integer, got nothing"),
+    ({"vocab_size": "32"}, "'vocab_size' must be a positive integer, got '32'"),
+    ({"num_attention_heads": 0}, "'num_attention_heads' must be a positive integer, got 0"),
+    ({"num_key_value_heads": 3}, "'num_key_value_heads' must be a positive integer dividing num_attention_heads=2, got 3"),
+    ({"architectures": "LlamaForCausalLM"}, r"'architectures' must be a list such as \[\"LlamaForCausalLM\"\]"),
+])
+def test_malformed_config_fields_name_the_file_and_field(tmp_path, change, match) -> None:
+    """A missing or mistyped size used to escape as a bare KeyError / TypeError, a head count that does not
+    divide as a model with broken grouped attention."""
+    config = {k: v for k, v in {**TINY_CONFIG, **change}.items() if v is not None}
+    folder = write_folder(tmp_path / "m", config, weights=False)
+    with pytest.raises(ValueError, match=rf"{tmp_path}/m/config\.json: {match}"):
+        load_model_config(folder)
+
+
+def rewrite_weights(folder: str, change) -> None:
+    """The folder's model.safetensors with change(state dict) applied."""
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    change(state)
+    save_file(state, path)
+
+
+def test_wrong_shape_in_a_merged_projection_names_tensor_and_folder(tmp_path) -> None:
+    """q_proj loads into the merged qkv layer, whose error used to say only 'shape mismatch for weight shard 0'."""
+    folder = write_folder(tmp_path / "m")
+    rewrite_weights(folder, lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(16, 17)}))
+    with pytest.raises(ValueError, match=rf"{folder}: tensor 'model\.layers\.0\.self_attn\.q_proj\.weight': "
+                                         r"shape mismatch .*checkpoint \(16, 17\), model \(16, 16\)"):
+        load_model(load_model_config(folder), folder)
+
+
+def test_extra_and_missing_safetensors_tensors_name_the_folder(tmp_path) -> None:
+    folder = write_folder(tmp_path / "m")
+    rewrite_weights(folder, lambda s: s.update({"model.layers.0.self_attn.extra.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match=rf"{folder}: unexpected tensor 'model\.layers\.0\.self_attn\.extra\.weight'"):
+        load_model(load_model_config(folder), folder)
+    folder = write_folder(tmp_path / "n")
+    rewrite_weights(folder, lambda s: s.pop("model.layers.0.mlp.down_proj.weight"))
+    with pytest.raises(ValueError, match=rf"{folder}: checkpoint is missing 1 tensors.*mlp\.down_proj\.weight"):
+        load_model(load_model_config(folder), folder)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_safetensors_names_the_file(tmp_path, damage) -> None:
+    """safetensors' own SafetensorError ('incomplete metadata, file not fully covered') named no file."""
+    folder = write_folder(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 64)
+    with pytest.raises(ValueError, match=rf"{path} is not a valid safetensors file .*expected safetensors weights"):
+        load_model(load_model_config(folder), folder)
+
+
+def tiny_llama_gguf(path: str, **changes: np.ndarray | None) -> str:
+    """A complete one-layer llama GGUF (hidden 64, 4 heads, 2 KV heads, vocab 32) in float32; `changes` replace
+    tensors by GGUF name (None drops one, another dtype stores another tensor type)."""
+    rng = np.random.default_rng(0)
+    hidden, ffn, vocab, head_dim = 64, 128, 32, 16
+    shapes = {"token_embd.weight": (vocab, hidden), "blk.0.attn_q.weight": (4 * head_dim, hidden),
+              "blk.0.attn_k.weight": (2 * head_dim, hidden), "blk.0.attn_v.weight": (2 * head_dim, hidden),
+              "blk.0.attn_output.weight": (hidden, 4 * head_dim), "blk.0.ffn_gate.weight": (ffn, hidden),
+              "blk.0.ffn_up.weight": (ffn, hidden), "blk.0.ffn_down.weight": (hidden, ffn)}
+    tensors = {name: (rng.standard_normal(shape) * 0.02).astype(np.float32) for name, shape in shapes.items()}
+    tensors.update({n: np.ones(hidden, np.float32) for n in ("output_norm.weight", "blk.0.attn_norm.weight",
+                                                              "blk.0.ffn_norm.weight")})
+    tensors.update(changes)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_context_length(128)
+    for name, array in tensors.items():
+        if array is not None:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_tiny_gguf_loads(tmp_path) -> None:
+    path = tiny_llama_gguf(str(tmp_path / "ok.gguf"))
+    model = load_model(load_model_config(path), path)
+    assert model.state_dict()["model.norm.weight"].shape == (64,)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"blk.0.ffn_down.weight": np.zeros((64, 64), np.float32)},
+     r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight': shape mismatch .*checkpoint \(64, 64\), model \(64, 128\)"),
+    ({"blk.0.ffn_down.weight": None}, r"checkpoint is missing 1 tensors.*model\.layers\.0\.mlp\.down_proj\.weight"),
+    ({"blk.0.ffn_down.weight": np.zeros((64, 128), np.float64)},
+     r"GGUF tensor model\.layers\.0\.mlp\.down_proj\.weight has type F64, which cannot be dequantized"),
+    ({"blk.3.attn_q.weight": np.zeros((64, 64), np.float32)},
+     r"unexpected tensor 'model\.layers\.3\.self_attn\.q_proj\.weight'"),
+])
+def test_bad_gguf_tensors_name_the_file_and_tensor(tmp_path, changes, match) -> None:
+    """The errors came from the layer or the dequantizer, without the file (a shape error without the tensor)."""
+    path = tiny_llama_gguf(str(tmp_path / "bad.gguf"), **changes)
+    with pytest.raises(ValueError, match=rf"{path}: {match}"):
+        load_model(load_model_config(path), path)

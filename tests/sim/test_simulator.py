@@ -1,6 +1,8 @@
 """The simulator runs the real scheduler and KV cache manager on a virtual clock: policies, pool limits, completion,
 determinism; the workload generator follows the benchmark's random-dataset recipe; the fit recovers known costs."""
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -100,6 +102,7 @@ def test_arrivals_poisson_and_bursty():
         assert t[0] == 3.0
         return np.diff(t)
     poisson, bursty = gaps(1.0), gaps(0.25)
+    assert np.allclose(gaps(float("inf")), 0.1)                           # the gamma's limit: evenly spaced
     assert poisson.mean() == pytest.approx(0.1, rel=0.05) and bursty.mean() == pytest.approx(0.1, rel=0.1)
     assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.1)    # CV of exponential gaps
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.15)     # 1/sqrt(shape)
@@ -111,7 +114,8 @@ def test_parse_class():
     assert (c.name, c.num_requests, c.request_rate, c.input_len, c.output_len, c.priority, c.dist) == \
         ("chat", 10, 2.5, 128, 5, -1, "lognormal")
     assert parse_class("batch", base).input_len == 77
-    for bad in ("x:foo=1", "x:n=", ":n=3", "x:dist=zipf", "x:rate=0"):
+    for bad in ("x:foo=1", "x:n=", ":n=3", "x:dist=zipf", "x:rate=0", "x:rate=nan", "x:burstiness=nan",
+                "x:start=nan", "x:start=-1", "x:dist=lognormal,range=nan"):   # NaN arrivals hung the simulator
         with pytest.raises(ValueError):
             parse_class(bad, base)
     lengths = [r.max_tokens for r in generate([parse_class("l:n=3000,out=100,dist=lognormal,range=1", base)], 100,
@@ -182,3 +186,31 @@ def test_cli_fit_on_a_tiny_dummy_model(tmp_path, capsys):
           "--num-prompts", "10", "--random-input-len", "50", "--random-output-len", "10"])
     out = capsys.readouterr().out
     assert f"pool {model.meta['num_blocks'] - 1:,} blocks" in out   # the fitted engine's pool by default
+
+
+def test_cli_zero_prompts_is_a_message_not_a_traceback():
+    """It was an IndexError in the report: zero prompts leave nothing to report, so the flag is refused."""
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "simulate", "--model", "llama-3-8b", "--num-prompts",
+                        "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "tokenmill: error: --num-prompts must be at least 1, got 0" in r.stderr
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--class", "a:n=0", "--class", "b:n=0"], "no requests: every --class has n=0"),   # IndexError in the report
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),                            # numpy's "non-negative"
+    (["--kv-tokens", "0"], "--kv-tokens must be at least 1, got 0"),                    # "got 1" block
+    (["--max-model-len", "-1"], "max_model_len must be an integer >= 1"),               # ZeroDivisionError
+    (["--goodput", "ttft:nan"], "--goodput takes NAME:MILLISECONDS"),                   # "ttft <= nan ms"
+    (["--fit", "--fit-batch-sizes", "0"], "--fit-batch-sizes must be at least 1, got 0"),   # IndexError
+    (["--fit", "--fit-prompt-lens", ""], "--fit-prompt-lens needs at least one value"),     # IndexError
+])
+def test_cli_bad_numbers_are_refused_before_anything_is_built(flags, match):
+    with pytest.raises(ValueError, match=match):
+        main(["simulate", "--model", "tiny-llama", *flags])
+
+
+def test_cli_a_class_of_zero_requests_in_a_mix_is_switched_off(capsys):
+    main(["simulate", "--model", "llama-3-8b", "--class", "off:n=0", "--class", "on:n=3,in=20,out=4"])
+    out = capsys.readouterr().out
+    assert "on " in out and "off" not in out

@@ -37,6 +37,28 @@ def test_speculative_options_are_validated():
             EngineArgs(**bad)
 
 
+@pytest.mark.parametrize("bad,match", [
+    (dict(speculative=4), r"speculative must be 'ngram' or 'draft:<model>\[@<quantization>\]', got 4"),
+    (dict(speculative="draft:"), r"speculative='draft:': expected 'draft:<model>'"),
+    (dict(speculative="draft:self@"), r"speculative='draft:self@': expected 'draft:<model>'"),
+    (dict(speculative="draft:self@int3"), r"speculative='draft:self@int3': the draft's quantization method 'int3'"),
+    (dict(speculative="ngram", num_speculative_tokens=2.5), "num_speculative_tokens must be an integer, got 2.5"),
+    (dict(speculative="ngram", num_speculative_tokens=True), "num_speculative_tokens must be an integer, got True"),
+    (dict(speculative="ngram", prompt_lookup_min=1.5), "prompt_lookup_min must be an integer, got 1.5"),
+    (dict(speculative="ngram", num_speculative_tokens=64, max_num_batched_tokens=64),
+     r"num_speculative_tokens must be in \[1, max_num_batched_tokens - 1 = 63\].*got 64"),
+])
+def test_bad_speculative_options_name_the_option(bad, match):
+    """Refused when the arguments are built, before any model loads: a bad draft spec used to surface only after
+    the target was loaded, a float count as a TypeError deep in the adaptive rule."""
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**bad)
+
+
+def test_speculative_counts_are_not_checked_without_speculation():
+    assert EngineArgs(max_num_batched_tokens=4).num_speculative_tokens == 4
+
+
 def test_rule_speculates_only_when_it_gains():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert best_k(0.9, 0.05, 8) >= 6           # cheap verification, high acceptance: long drafts

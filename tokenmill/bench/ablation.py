@@ -23,10 +23,10 @@ import torch
 
 from tokenmill.bench.common import (Column, add_common_args, build_engine, clock, generate, num_output_tokens,
                                     print_table, release_memory, result_header, save_json, warm_up)
-from tokenmill.bench.throughput import add_workload_args, workload_from
+from tokenmill.bench.throughput import add_workload_args, check_workload_args, workload_from
 from tokenmill.bench.workloads import Workload
 from tokenmill.config import EngineArgs
-from tokenmill.engine.arg_utils import engine_args_from
+from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine, pick_device
 from tokenmill.layers.attention import AttentionMetadata, forward_context
 from tokenmill.sampling_params import SamplingParams
@@ -131,6 +131,8 @@ def run_step(engine: LLMEngine, step: Step, workload: Workload, ns: argparse.Nam
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
+    check_workload_args(ns)
+    check_at_least(ns, {"naive_requests": 1, "naive_max_tokens": 1})
     base = engine_args_from(ns)
     rows: list[dict[str, Any]] = []
     header, engine, engine_key, workload = None, None, None, None

@@ -15,7 +15,7 @@ from tokenmill.bench.common import (add_common_args, build_engine, clock, genera
                                     print_table, release_memory, result_header, save_json)
 from tokenmill.bench.workloads import chat_prompts, random_prompt
 from tokenmill.config import EngineArgs, ModelConfig, parse_dtype
-from tokenmill.engine.arg_utils import engine_args_from
+from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine, pick_device
 from tokenmill.model.gguf_loader import iter_gguf_weights
 from tokenmill.model.hf_loader import iter_safetensors_weights
@@ -96,6 +96,7 @@ def time_hf(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, r
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
+    check_at_least(ns, {"batch_sizes": 1, "max_tokens": 1, "prompt_len": 1, "repeats": 1})
     args = engine_args_from(ns)
     device = pick_device(args.device)
     batch_sizes = ns.batch_sizes or ([1] if device.type == "cuda" else [1, 32])

@@ -10,7 +10,7 @@ from tokenmill.bench.common import (Column, add_common_args, clock, generate, me
                                     save_json, weight_bytes)
 from tokenmill.bench.sweep import add_sweep_arg, parse_sweep, run_sweep
 from tokenmill.bench.workloads import random_prompt
-from tokenmill.engine.arg_utils import engine_args_from
+from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
@@ -61,6 +61,7 @@ def bench_latency(engine: LLMEngine, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
+    check_at_least(ns, {"input_len": 1, "output_len": 2, "prefill_len": 1, "num_iters": 1, "num_warmup": 0})
     rows, header = run_sweep(engine_args_from(ns), ns.sweep, lambda engine: [bench_latency(engine, ns)],
                              lambda args, engine: result_header("latency", args, engine.device, {
                                  "input_len": ns.input_len, "output_len": ns.output_len,

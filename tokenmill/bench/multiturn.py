@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenmill.bench.common import add_common_args, build_engine, print_table, release_memory, result_header, save_json
 from tokenmill.config import EngineArgs
-from tokenmill.engine.arg_utils import engine_args_from
+from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -50,6 +50,7 @@ def run_conversations(args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any
 
 
 def run(ns: argparse.Namespace) -> None:
+    check_at_least(ns, {"num_conversations": 1, "num_turns": 1, "system_len": 0, "user_len": 1, "output_len": 1})
     base = engine_args_from(ns)
     rows = [run_conversations(dataclasses.replace(base, enable_prefix_caching=on), ns) for on in (False, True)]
     off, on = rows

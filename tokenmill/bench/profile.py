@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from tokenmill.bench.common import (add_common_args, build_engine, clock, median, print_table, result_header,
                                     save_json)
 from tokenmill.bench.workloads import random_prompt
-from tokenmill.engine.arg_utils import engine_args_from
+from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.runner.model_runner import ModelInput
 from tokenmill.sampling_params import SamplingParams
@@ -118,7 +118,18 @@ def verify_cost(engine: LLMEngine, context_len: int, query_lens: list[int], iter
     return rows
 
 
+def check_args(ns: argparse.Namespace) -> None:
+    """Before the engine is built: zero steps divide by zero, a verify run longer than its context has
+    negative positions."""
+    check_at_least(ns, {"batch_sizes": 1, "input_len": 1, "num_steps": 1, "top": 0, "verify_context": 1,
+                        "verify_query_lens": 1})
+    if ns.verify_query_lens and max(ns.verify_query_lens) > ns.verify_context:
+        raise ValueError(f"--verify-query-lens must be at most --verify-context ({ns.verify_context}), "
+                         f"got {max(ns.verify_query_lens)}")
+
+
 def run(ns: argparse.Namespace) -> dict[str, Any]:
+    check_args(ns)
     args = engine_args_from(ns)
     engine = build_engine(args)
     header = result_header("profile", args, engine.device, {

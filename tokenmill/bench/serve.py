@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from tokenmill.engine.arg_utils import check_at_least
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -403,6 +404,11 @@ def check_args(ns: argparse.Namespace) -> None:
     parse_goodput(ns.goodput)
     if not ns.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {ns.request_rate}")
+    if not ns.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0 (inf: evenly spaced), got {ns.burstiness}")
+    # zero prompts would wait forever on a pool of zero connections, a negative seed fail in numpy's words
+    check_at_least(ns, {"num_prompts": 1, "random_input_len": 0, "random_output_len": 1, "random_prefix_len": 0,
+                        "seed": 0, "max_concurrency": 1, "port": 1})
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from tokenmill.bench.common import (Column, add_common_args, clock, generate, nu
                                     result_header, save_json, warm_up)
 from tokenmill.bench.sweep import add_sweep_arg, parse_sweep, run_sweep
 from tokenmill.bench.workloads import Workload, nano_vllm_workload
-from tokenmill.engine.arg_utils import engine_args_from
+from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
@@ -121,12 +121,20 @@ def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> d
             "breakdown": step_breakdown(steps), "triton_compiles": compiled}
 
 
+def check_workload_args(ns: argparse.Namespace) -> None:
+    """Before any engine is built: no requests (nothing timed) or empty prompts are no workload."""
+    check_at_least(ns, {"num_requests": 1, "max_input_len": 1, "min_input_len": 1, "max_output_len": 1,
+                        "min_output_len": 1})
+
+
 def workload_from(ns: argparse.Namespace, vocab_size: int) -> Workload:
     return nano_vllm_workload(ns.num_requests, ns.max_input_len, ns.max_output_len, ns.min_input_len,
                               ns.min_output_len, vocab_size, ns.workload_seed)
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
+    check_workload_args(ns)
+
     def measure(engine: LLMEngine) -> list[dict[str, Any]]:
         workload = workload_from(ns, engine.model_config.vocab_size)
         warm_up(engine, workload.prompts[:WARM_UP_REQUESTS])

@@ -70,6 +70,17 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+def check_at_least(ns: argparse.Namespace, floors: dict[str, float]) -> None:
+    """Options (by dest) below their floor are a ValueError naming the flag ('--num-prompts must be at least 1,
+    got 0'), raised before a run starts: a bad count otherwise ends in a crash in the report, or in a run that
+    measures nothing. Unset options (None) pass; a list option is checked value by value; NaN never passes."""
+    for dest, floor in floors.items():
+        value = getattr(ns, dest)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not v >= floor:
+                raise ValueError(f"--{dest.replace('_', '-')} must be at least {floor:g}, got {v}")
+
+
 def parse_bytes(text: str) -> int:
     """'1073741824', '1GiB', '512MiB', '2GB'."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,

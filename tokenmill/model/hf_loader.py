@@ -38,8 +38,14 @@ def generation_eos_ids(model_dir: str) -> list[int]:
 
 
 def load_hf_config(model_dir: str) -> ModelConfig:
-    config = ModelConfig.from_hf_dict(read_json(os.path.join(model_dir, "config.json"),
-                                                "a Hugging Face model config (config.json)"))
+    """The folder's ModelConfig; a config.json that lacks or mangles a field is a ValueError naming the file."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        config = ModelConfig.from_hf_dict(read_json(path, "a Hugging Face model config (config.json)"))
+    except ValueError as e:
+        if path in str(e):
+            raise
+        raise ValueError(f"{path}: {e}") from None
     for eos in generation_eos_ids(model_dir):
         if eos not in config.eos_token_id:
             config.eos_token_id.append(eos)
@@ -68,6 +74,21 @@ def safetensors_files(model_dir: str) -> list[str]:
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, CPU tensor) for every tensor of the checkpoint, one file open at a time."""
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:  # safetensors' own error (e.g. data past the end) names neither
+                    raise ValueError(f"{path}: tensor {name!r} cannot be read ({e}); expected a complete "
+                                     "safetensors file") from e
+                yield name, tensor
+
+
+def open_safetensors(path: str) -> Any:
+    """safe_open, with a truncated or corrupt file reported as a ValueError naming it (safetensors' own error
+    names neither the file nor the format)."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:
+        raise ValueError(f"{path} is not a valid safetensors file ({e}); expected safetensors weights "
+                         "(an 8-byte header size, a JSON header, then the tensor data)") from e

@@ -155,7 +155,10 @@ class LlamaForCausalLM(nn.Module):
             if module is None or attr not in ("weight", "bias"):
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint for {self.config.architecture}")
             if hasattr(module, "load_shard"):
-                module.load_shard(attr, tensor, shard)
+                try:
+                    module.load_shard(attr, tensor, shard)
+                except ValueError as e:  # the layer knows only its parameter's name: name the checkpoint's tensor
+                    raise ValueError(f"tensor {name!r}: {e}") from None
             else:
                 param = getattr(module, attr)
                 if tuple(param.shape) != tuple(tensor.shape):

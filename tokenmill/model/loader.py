@@ -111,10 +111,15 @@ def load_model(model_config: ModelConfig, model_path: str | None, load_format: s
         init_dummy_weights(model, seed)
         if quant is not None:
             quantize_model(model, dict.fromkeys(quantizable_modules(model, quant.lm_head), quant.fmt))
-    elif quant is not None:
-        model.load_weights(prepare_quantized_load(model, quant, model_path, load_format))
     else:
-        model.load_weights(_weights(model_path, load_format))
+        weights = prepare_quantized_load(model, quant, model_path, load_format) if quant is not None \
+            else _weights(model_path, load_format)
+        try:
+            model.load_weights(weights)
+        except ValueError as e:  # a missing, extra or misshapen tensor: say which checkpoint holds it
+            if model_path in str(e):
+                raise
+            raise ValueError(f"{model_path}: {e}") from None
     if fold_norms and quant is None:
         model.fold_norms()
     return model.eval()

@@ -12,7 +12,7 @@ import os
 import torch
 
 from tokenmill.config import EngineArgs, ModelConfig, SchedulerConfig, parse_dtype
-from tokenmill.engine.arg_utils import add_engine_args, engine_args_from, parse_bytes
+from tokenmill.engine.arg_utils import add_engine_args, check_at_least, engine_args_from, parse_bytes
 from tokenmill.model.presets import PRESETS, get_preset
 from tokenmill.plan import Plan, make_plan, resolve_model_config
 from tokenmill.sim.cost_model import H200, CostModel
@@ -33,9 +33,14 @@ def parse_slos(pairs: list[str] | None) -> dict[str, float]:
     slos = {}
     for pair in pairs or []:
         name, _, value = pair.partition(":")
-        if name not in ("ttft", "tpot", "e2el") or not value or float(value) < 0:
-            raise ValueError(f"--goodput takes NAME:MILLISECONDS with NAME in ttft, tpot, e2el; got {pair!r}")
-        slos[name] = float(value)
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if name not in ("ttft", "tpot", "e2el") or not ms >= 0:
+            raise ValueError(f"--goodput takes NAME:MILLISECONDS with NAME in ttft, tpot, e2el and "
+                             f"MILLISECONDS >= 0; got {pair!r}")
+        slos[name] = ms
     return slos
 
 
@@ -137,8 +142,23 @@ def workload_classes(ns: argparse.Namespace) -> list[RequestClass]:
     return [parse_class(c, defaults) for c in ns.classes] if ns.classes else [defaults]
 
 
+def check_args(ns: argparse.Namespace) -> None:
+    """The workload, pool and fit options, checked before anything is built, so that a bad count is a clear error
+    rather than an IndexError in the report (no prompts) or in the profile (no fit batch). A class of n=0 is
+    allowed in a mix (a class switched off), but a workload without any request has nothing to report."""
+    check_at_least(ns, {"num_prompts": 1, "random_input_len": 1, "random_output_len": 1, "random_prefix_len": 0,
+                        "seed": 0, "kv_tokens": 1, "memory": 1, "fit_batch_sizes": 1, "fit_prompt_lens": 1,
+                        "fit_output_len": 1})
+    for dest in ("fit_batch_sizes", "fit_prompt_lens"):
+        if not getattr(ns, dest):
+            raise ValueError(f"--{dest.replace('_', '-')} needs at least one value")
+    if ns.classes and not sum(c.num_requests for c in workload_classes(ns)):
+        raise ValueError("the workload has no requests: every --class has n=0")
+
+
 def run(ns: argparse.Namespace) -> list[SimResult]:
     from tokenmill.engine.llm_engine import LLMEngine
+    check_args(ns)
     args = engine_args(ns)
     if ns.fit:
         from tokenmill.sim.fit import fit_engine

@@ -6,7 +6,8 @@ lengths uniform in [max(1, floor(O(1-r))), max(1, ceil(O(1+r)))], an offset per 
 prompt body = allowed_ids[(offset + i + arange(len)) % len(allowed_ids)]. Lengths are token counts as the engine
 sees them (no tokenizer round trip, so no special tokens are subtracted). `dist=lognormal` instead draws lengths
 as L·exp(r·z − r²/2) (mean L, log-spread r), for heavy-tailed chat traffic. Arrivals: all at `start` (rate inf)
-or gamma gaps with shape = burstiness (1 = Poisson) and scale = 1/(rate·burstiness), first request at `start`."""
+or gamma gaps with shape = burstiness (1 = Poisson, inf = evenly spaced) and scale = 1/(rate·burstiness), first
+request at `start`."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,7 @@ class RequestClass:
     name: str = "all"
     num_requests: int = 200
     request_rate: float = math.inf      # requests per second; inf = all at `start`
-    burstiness: float = 1.0             # gamma shape of the gaps; 1 = Poisson, < 1 burstier
+    burstiness: float = 1.0             # gamma shape of the gaps; 1 = Poisson, < 1 burstier, inf = even
     start: float = 0.0                  # seconds after the beginning when this class starts arriving
     input_len: int = 1024
     output_len: int = 128
@@ -40,12 +41,18 @@ class RequestClass:
     def __post_init__(self) -> None:
         if self.num_requests < 0 or self.input_len < 1 or self.output_len < 1 or self.prefix_len < 0:
             raise ValueError(f"class {self.name}: n >= 0, in >= 1, out >= 1 and prefix >= 0 are required")
-        if self.request_rate <= 0 or self.burstiness <= 0:
-            raise ValueError(f"class {self.name}: rate and burstiness must be > 0")
+        if not (self.request_rate > 0 and self.burstiness > 0):   # NaN too: a NaN arrival never comes
+            raise ValueError(f"class {self.name}: rate and burstiness must be > 0, got {self.request_rate} and "
+                             f"{self.burstiness}")
+        if not 0.0 <= self.start < math.inf:
+            raise ValueError(f"class {self.name}: start must be a finite number of seconds >= 0, got {self.start}")
         if self.dist not in ("uniform", "lognormal"):
             raise ValueError(f"class {self.name}: dist must be uniform or lognormal, got {self.dist!r}")
         if self.dist == "uniform" and not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"class {self.name}: range must be in [0, 1) for dist=uniform, got {self.range_ratio}")
+        if self.dist == "lognormal" and not 0.0 <= self.range_ratio < math.inf:
+            raise ValueError(f"class {self.name}: range must be a finite number >= 0 for dist=lognormal, got "
+                             f"{self.range_ratio}")
 
 
 @dataclass
@@ -89,7 +96,10 @@ def _lengths(rng: np.random.Generator, mean: int, r: float, n: int, dist: str, l
 def _arrivals(c: RequestClass, rng: np.random.Generator) -> np.ndarray:
     if math.isinf(c.request_rate) or c.num_requests == 0:
         return np.full(c.num_requests, c.start)
-    gaps = rng.gamma(shape=c.burstiness, scale=1.0 / (c.request_rate * c.burstiness), size=c.num_requests)
+    if math.isinf(c.burstiness):   # the gamma's limit, as in `bench serve`: evenly spaced (the draw would be NaN)
+        gaps = np.full(c.num_requests, 1.0 / c.request_rate)
+    else:
+        gaps = rng.gamma(shape=c.burstiness, scale=1.0 / (c.request_rate * c.burstiness), size=c.num_requests)
     return c.start + np.concatenate([[0.0], np.cumsum(gaps[:-1])])
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.config import EngineArgs, ModelConfig
+from tokenmill.config import EngineArgs, ModelConfig, parse_draft
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.loader import load_model, load_model_config
@@ -30,16 +30,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.view import DraftedView
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7   # draft sampling must not reuse the target's random streams
-
-
-def parse_draft(speculative: str) -> tuple[str, str | None]:
-    """'draft:<model>[@<quantization>]' -> (model, quantization); <model> 'self' is the target's checkpoint."""
-    body = speculative[len("draft:"):]
-    model, _, quant = body.partition("@")
-    if not model:
-        raise ValueError(f"speculative={speculative!r}: expected 'draft:<model>' or 'draft:<model>@<quantization>' "
-                         "(<model>: a model path, or 'self' for the target's own weights)")
-    return model, quant or None
 
 
 @dataclass
