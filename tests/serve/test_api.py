@@ -190,7 +190,8 @@ def test_openapi_schema(server):
     for field in ("messages", "stream", "stream_options", "n", "stop", "seed", "logprobs", "top_logprobs", "max_tokens",
                   "max_completion_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "user",
                   "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "logit_bias", "response_format",
-                  "tools", "tool_choice"):
+                  "tools", "tool_choice", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                  "skip_special_tokens", "guided_json", "structured_outputs"):
         assert field in chat, field
     assert chat["temperature"]["maximum"] == 2.0
     assert "ChatCompletionChunk" in schemas and "ErrorResponse" in schemas
@@ -232,3 +233,48 @@ def test_metrics_count_tokens(server, client, model_name):
     assert server.metric("tokenmill:generation_tokens_total") == before + 5
     assert server.metric("tokenmill:request_success_total", finished_reason="length") == done + 1
     assert server.metric("tokenmill:num_requests_running") == 0
+
+
+BANANA = 21285  # " banana", one token of the default model
+IM_START = 1    # "<|im_start|>", a special token that is not EOS
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_min_tokens_keeps_generating_past_eos(client, model_name, chat):
+    """EOS forced by logit_bias ends the output at once, unless min_tokens holds it off; then it ends right after."""
+    api = client.chat.completions if chat else client.completions
+    kwargs = dict(model=model_name, max_tokens=8, temperature=0, logit_bias={"2": 100})  # 2: <|im_end|>, EOS
+    kwargs.update(messages=MESSAGES) if chat else kwargs.update(prompt="Hello")
+    assert api.create(**kwargs).usage.completion_tokens == 1
+    r = api.create(**kwargs, extra_body={"min_tokens": 3})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stop_token_ids_and_include_stop_str_in_output(client, model_name, chat):
+    """A stop token id ends the output, its text left out unless include_stop_str_in_output, as vLLM's."""
+    api = client.chat.completions if chat else client.completions
+    kwargs = dict(model=model_name, max_tokens=3, temperature=0, logit_bias={str(BANANA): 100})
+    kwargs.update(messages=MESSAGES) if chat else kwargs.update(prompt="Hello")
+
+    def text(r) -> str:
+        return r.choices[0].message.content if chat else r.choices[0].text
+
+    r = api.create(**kwargs, extra_body={"stop_token_ids": [BANANA]})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop" and text(r) == ""
+    r = api.create(**kwargs, extra_body={"stop_token_ids": [BANANA], "include_stop_str_in_output": True})
+    assert r.usage.completion_tokens == 1 and text(r) == " banana"
+    r = api.create(**kwargs, stop=["nana"], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].finish_reason == "stop" and text(r) == " banana"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_skip_special_tokens_false_keeps_them_in_the_text(client, model_name, chat):
+    """A special token that is not EOS is generated but left out of the text, unless skip_special_tokens=false."""
+    api = client.chat.completions if chat else client.completions
+    kwargs = dict(model=model_name, max_tokens=2, temperature=0, logit_bias={str(IM_START): 100})
+    kwargs.update(messages=MESSAGES) if chat else kwargs.update(prompt="Hello")
+    skipped = api.create(**kwargs)
+    kept = api.create(**kwargs, extra_body={"skip_special_tokens": False})
+    assert (skipped.choices[0].message.content if chat else skipped.choices[0].text) == ""
+    assert (kept.choices[0].message.content if chat else kept.choices[0].text) == "<|im_start|><|im_start|>"

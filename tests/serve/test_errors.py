@@ -63,6 +63,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, conta
     ({"messages": OK_MESSAGES, "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ({"messages": OK_MESSAGES, "logit_bias": {"5": 101}}, "logit_bias"),
     ({"messages": OK_MESSAGES, "logit_bias": {"5": "up"}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "min_tokens": -1}, "min_tokens"),
+    ({"messages": OK_MESSAGES, "min_tokens": "2"}, "min_tokens"),
+    ({"messages": OK_MESSAGES, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"messages": OK_MESSAGES, "stop_token_ids": 5}, "stop_token_ids"),
+    ({"messages": OK_MESSAGES, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"messages": OK_MESSAGES, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"messages": OK_MESSAGES, "skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"messages": [{"role": "user", "content": "a lone \ud800 surrogate"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages.0.content"),
 ])
@@ -82,6 +89,9 @@ def test_bad_chat_requests_are_400(server, body, param):
     ({"prompt": "hi", "stop": ["\udfff"]}, "stop"),
     ({"prompt": "hi", "logit_bias": {"5": float("nan")}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"100000000": 1}}, "logit_bias"),
+    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids.0"),
+    ({"prompt": "hi", "stop_token_ids": [5] * 1025}, "stop_token_ids"),  # over MAX_STOP_TOKEN_IDS
 ])
 def test_bad_completion_requests_are_400(server, body, param):
     assert_error(post(server, "/v1/completions", json.dumps(body, allow_nan=True)), 400, param)
@@ -134,6 +144,16 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (False, "best_of", dict(best_of=2)),
     (False, "response_format", dict(extra_body={"response_format": {"type": "json_object"}}, stream=True)),
     (False, "prompt_logprobs", dict(extra_body={"prompt_logprobs": 0})),
+    (True, "guided_json", dict(extra_body={"guided_json": {"type": "object"}})),
+    (True, "guided_regex", dict(extra_body={"guided_regex": "[0-9]+"})),
+    (True, "guided_choice", dict(extra_body={"guided_choice": ["yes", "no"]})),
+    (True, "guided_grammar", dict(extra_body={"guided_grammar": 'root ::= "a"'})),
+    (True, "structured_outputs", dict(extra_body={"structured_outputs": {"choice": ["yes", "no"]}})),
+    (False, "guided_json", dict(extra_body={"guided_json": '{"type": "object"}'})),
+    (False, "guided_regex", dict(extra_body={"guided_regex": "[0-9]+"})),
+    (False, "guided_choice", dict(extra_body={"guided_choice": []})),
+    (False, "guided_grammar", dict(extra_body={"guided_grammar": 'root ::= "a"'})),
+    (False, "structured_outputs", dict(extra_body={"structured_outputs": {}}, stream=True)),
 ])
 def test_unsupported_fields_are_refused_by_name(client, model_name, chat, field, kwargs):
     """OpenAI and vLLM fields that tokenmill does not implement are a 400 naming the field, not ignored."""
@@ -151,7 +171,9 @@ def test_unsupported_fields_at_their_neutral_values_are_accepted(client, model_n
     """What asks for nothing beyond plain text is no reason to refuse a request."""
     r = client.chat.completions.create(model=model_name, messages=OK_MESSAGES, max_tokens=2,
                                        response_format={"type": "text"}, tools=[], tool_choice="none",
-                                       function_call="none", extra_body={"echo": False, "ignore_eos": True})
+                                       function_call="none",
+                                       extra_body={"echo": False, "ignore_eos": True, "guided_json": None,
+                                                   "structured_outputs": None})
     assert r.usage.completion_tokens == 2
     r = client.completions.create(model=model_name, prompt="hi", max_tokens=2, n=2, best_of=2, echo=False,
                                   extra_body={"ignore_eos": True, "some_unknown_field": 1})

@@ -12,6 +12,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tokenmill.request import PRIORITY_LIMIT
 
+MAX_STOP_TOKEN_IDS = 1024  # the engine looks a request's stop ids up at every step: a huge list slows every user
+# vLLM's structured-output fields: constrained decoding, which tokenmill does not implement
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -63,6 +67,13 @@ class SamplingRequest(_Request):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="tokenmill: drop tokens below min_p x the top probability")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="tokenmill: penalty on tokens already seen")
     ignore_eos: bool = Field(False, description="tokenmill: keep generating past the end-of-sequence token")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: EOS, stop_token_ids and stop strings cannot end the output "
+                                                 "before this many tokens; at most max_tokens")
+    stop_token_ids: list[int] | None = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
+        description="vLLM's: token ids that end the output, their text left out unless include_stop_str_in_output")
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: keep the stop string or stop token's text")
+    skip_special_tokens: bool = Field(True, description="vLLM's: leave special tokens out of the output text")
     priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT,
                           description="tokenmill: lower runs first under --scheduling-policy priority")
     timeout_s: float | None = Field(None, gt=0.0, description="tokenmill: abort the request after this many seconds")
@@ -71,6 +82,12 @@ class SamplingRequest(_Request):
     response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
     echo: bool = Field(False, description="not supported: true is refused")
     prompt_logprobs: int | None = Field(None, description="vLLM's; not supported: refused unless null")
+    # GUIDED_FIELDS, typed Any so that every non-null value is refused by name, not failed as a wrong type
+    guided_json: Any = Field(None, description="vLLM's; not supported: refused unless null")
+    guided_regex: Any = Field(None, description="vLLM's; not supported: refused unless null")
+    guided_choice: Any = Field(None, description="vLLM's; not supported: refused unless null")
+    guided_grammar: Any = Field(None, description="vLLM's; not supported: refused unless null")
+    structured_outputs: Any = Field(None, description="vLLM's; not supported: refused unless null")
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, message) for each field set to something tokenmill does not implement."""
@@ -84,6 +101,10 @@ class SamplingRequest(_Request):
         if self.prompt_logprobs is not None:
             out.append(("prompt_logprobs", "prompt_logprobs is not supported: logprobs are given for generated "
                                            "tokens only; omit prompt_logprobs"))
+        for name in GUIDED_FIELDS:
+            if getattr(self, name) is not None:
+                out.append((name, f"{name} is not supported: tokenmill does not implement constrained decoding, "
+                                  f"and the output would not follow it; omit {name}"))
         return out
 
 

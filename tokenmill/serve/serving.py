@@ -149,8 +149,11 @@ class OpenAIServing:
             params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                     min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                    seed=req.seed, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
-                                    logprobs=logprobs, logit_bias=logit_bias)
+                                    seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                                    stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                                    include_stop_str_in_output=req.include_stop_str_in_output,
+                                    skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+                                    logit_bias=logit_bias)
             params.verify_vocab(self.engine.engine.model_config.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from e
