@@ -197,6 +197,18 @@ def test_truncated_gguf(tmp_path) -> None:
         load_model_config(str(path))
 
 
+def finish_gguf(writer: gguf.GGUFWriter, path: str, tensors: dict[str, np.ndarray | None]) -> str:
+    """Add the tensors (None: left out) and write the file."""
+    for name, array in tensors.items():
+        if array is not None:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray]) -> str:
     """A GGUF with a Llama-3-like head geometry (head_dim 128, rope base 500000) and the given tensors."""
     writer = gguf.GGUFWriter(path, arch)
@@ -205,13 +217,7 @@ def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray]) -> str:
     writer.add_feed_forward_length(512)
     writer.add_head_count(2)
     writer.add_rope_freq_base(500000.0)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_gguf(writer, path, tensors)
 
 
 def llama_cpp_rope_factors(factor: float, low: float, high: float, old_ctx: int) -> np.ndarray:
@@ -329,14 +335,7 @@ def tiny_llama_gguf(path: str, **changes: np.ndarray | None) -> str:
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
     writer.add_context_length(128)
-    for name, array in tensors.items():
-        if array is not None:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_gguf(writer, path, tensors)
 
 
 def test_tiny_gguf_loads(tmp_path) -> None:
