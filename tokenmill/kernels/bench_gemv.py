@@ -112,17 +112,6 @@ def idot_grid() -> list[triton_int4_idot.IdotConfig]:
             if bn * blocks * 4 // (32 * warps) >= 4]
 
 
-def idot_search(qargs: list[tuple]) -> list[tuple[float, str]]:
-    """(ms, config) of every idot_grid() tile that compiles."""
-    found = []
-    for cfg in idot_grid():
-        try:
-            found.append((time_rotating(lambda *a, cfg=cfg: triton_int4_idot.int4_idot_gemv(*a, cfg), qargs), str(cfg)))
-        except triton.runtime.errors.OutOfResources:
-            continue
-    return found
-
-
 def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timings: Timings) -> list[dict]:
     """Rows for one matrix; every grid config's time of a kind in tune goes into timings[(kind, config)][name]."""
     rows = []
@@ -164,9 +153,9 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
                 lambda *a, cfg=mma_cfg: triton_int4_mma.int4_mma_gemv(*a, cfg), qargs), moved)
             row(f"{fmt_name} idot", time_rotating(triton_int4_idot.int4_idot_gemv, qargs), moved)
             if kind in tune:
-                best = min(idot_search(qargs))
-                rows.append({**rows[-1], "kernel": f"{fmt_name} idot best", "us": best[0] * 1e3,
-                             "pct_of_hbm": 100 * moved / (best[0] * 1e-3) / HBM_BYTES_PER_S, "config": best[1]})
+                ms, cfg = search(triton_int4_idot.int4_idot_gemv, qargs, idot_grid(), INT4, name, {})
+                rows.append({**rows[-1], "kernel": f"{fmt_name} idot best", "us": ms * 1e3,
+                             "pct_of_hbm": 100 * moved / (ms * 1e-3) / HBM_BYTES_PER_S, "config": str(cfg)})
             x4 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
             q4 = [(x4, *a[1:]) for a in qargs]
             row(f"{fmt_name} tile, 4 rows", time_rotating(lambda *a: quant_linear(*a, pick_config(4, n, k, x.device)),

@@ -37,15 +37,18 @@ def generation_eos_ids(model_dir: str) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
+def in_file(path: str, e: ValueError) -> ValueError:
+    """e with the file or folder it is about in front, unless its message names it already."""
+    return e if path in str(e) else ValueError(f"{path}: {e}")
+
+
 def load_hf_config(model_dir: str) -> ModelConfig:
     """The folder's ModelConfig; a config.json that lacks or mangles a field is a ValueError naming the file."""
     path = os.path.join(model_dir, "config.json")
     try:
         config = ModelConfig.from_hf_dict(read_json(path, "a Hugging Face model config (config.json)"))
     except ValueError as e:
-        if path in str(e):
-            raise
-        raise ValueError(f"{path}: {e}") from None
+        raise in_file(path, e) from None
     for eos in generation_eos_ids(model_dir):
         if eos not in config.eos_token_id:
             config.eos_token_id.append(eos)

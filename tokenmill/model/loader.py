@@ -13,7 +13,7 @@ from tokenmill.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.model.default import default_model_path
 from tokenmill.model.gguf_loader import iter_gguf_weights, load_gguf_config
-from tokenmill.model.hf_loader import iter_safetensors_weights, load_hf_config
+from tokenmill.model.hf_loader import in_file, iter_safetensors_weights, load_hf_config
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.presets import get_preset
 from tokenmill.quant.loading import prepare_quantized_load, quantizable_modules, quantize_model, resolve_quantization
@@ -117,9 +117,7 @@ def load_model(model_config: ModelConfig, model_path: str | None, load_format: s
         try:
             model.load_weights(weights)
         except ValueError as e:  # a missing, extra or misshapen tensor: say which checkpoint holds it
-            if model_path in str(e):
-                raise
-            raise ValueError(f"{model_path}: {e}") from None
+            raise in_file(model_path, e) from None
     if fold_norms and quant is None:
         model.fold_norms()
     return model.eval()

@@ -250,8 +250,7 @@ class OpenAIServing:
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
         except Exception as e:
-            raise APIError(400, f"the chat template could not render these messages: {e}", "messages",
-                           "chat_template_error") from e
+            raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
