@@ -54,7 +54,6 @@ tests() {
     step "quant tests" "$PY" -m pytest tests/quant/test_triton_quant.py -x -q
     step "runner tests" "$PY" -m pytest tests/runner -x -q  # sampling and pending tokens never wait for the GPU
     step "engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -v --durations=0
-    step "idot engine tests" env TOKENMILL_INT4_IDOT=1 "$PY" -m pytest tests/engine/test_gpu_engine.py -x -q -k int4
 }
 profile() {
     step "profile bf16" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --batch-sizes 1 64 256 \
@@ -85,9 +84,6 @@ bench() {
             $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \
             $([ $q = none ] || echo quantize_lm_head=false,true) --out "$OUT_DIR/latency_$q.json"
     done
-    step "latency int4 idot" env TOKENMILL_INT4_IDOT=1 "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" \
-        --num-iters 3 --max-num-seqs 8 --quantization int4 --async-scheduling --quantize-lm-head \
-        --out "$OUT_DIR/latency_int4_idot.json"  # the integer-dot one-row GEMV against "latency int4"'s last row
     step "latency no PDL" env TOKENMILL_PDL=0 "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 \
         --max-num-seqs 8 --async-scheduling --out "$OUT_DIR/latency_nopdl.json"  # the baseline of PDL's gain
     step "prefill 8191" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --prefill-len 8191 --output-len 2 \

@@ -1,8 +1,8 @@
 """GPU timings of batch-1 decode matmuls on Llama-3-8B's four projections: cuBLAS (F.linear) beside the Triton
 GEMV (triton_gemv.py) in bf16, and the quantized GEMV beside the 16-row tile kernel (triton_quant.py) in INT8
-and INT4 g128; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at four, the
-integer-dot GEMV (triton_int4_idot.py), and the ceiling: a kernel that only reads the packed bytes, 64 bytes of a
-row at a time as the INT4 kernels do. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
+and INT4 g128; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at
+four, and the ceiling: a kernel that only reads the packed bytes, 64 bytes of a row at a time as the INT4
+kernels do. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
 decode (where 31 other layers pass through the 50 MB L2 between two uses of a matrix), not L2 speed.
 
     python -m tokenmill.kernels.bench_gemv --tune --out bench_results/gemv.json
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import triton_int4_idot, triton_int4_mma
+from tokenmill.kernels import triton_int4_mma
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
 from tokenmill.kernels.triton_gemv import (
     DENSE,
@@ -105,13 +105,6 @@ def grid(kind: int, dequant: str | None = None) -> list[GemvConfig]:
     return cfgs
 
 
-def idot_grid() -> list[triton_int4_idot.IdotConfig]:
-    """Tiles of the integer-dot INT4 GEMV to search: at least one 16-byte word a thread a tile."""
-    return [triton_int4_idot.IdotConfig(bn, blocks, warps, pps)
-            for bn, blocks, warps, pps in itertools.product((64, 128, 256), (8, 16), (4, 8), (2, 4))
-            if bn * blocks * 4 // (32 * warps) >= 4]
-
-
 def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timings: Timings) -> list[dict]:
     """Rows for one matrix; every grid config's time of a kind in tune goes into timings[(kind, config)][name]."""
     rows = []
@@ -151,11 +144,6 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
                        or triton_int4_mma.MMA_CFG)
             row(f"{fmt_name} mma", time_rotating(
                 lambda *a, cfg=mma_cfg: triton_int4_mma.int4_mma_gemv(*a, cfg), qargs), moved)
-            row(f"{fmt_name} idot", time_rotating(triton_int4_idot.int4_idot_gemv, qargs), moved)
-            if kind in tune:
-                ms, cfg = search(triton_int4_idot.int4_idot_gemv, qargs, idot_grid(), INT4, name, {})
-                rows.append({**rows[-1], "kernel": f"{fmt_name} idot best", "us": ms * 1e3,
-                             "pct_of_hbm": 100 * moved / (ms * 1e-3) / HBM_BYTES_PER_S, "config": str(cfg)})
             x4 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
             q4 = [(x4, *a[1:]) for a in qargs]
             row(f"{fmt_name} tile, 4 rows", time_rotating(lambda *a: quant_linear(*a, pick_config(4, n, k, x.device)),

@@ -444,19 +444,6 @@ def _unit(kind: int, cfg: GemvConfig, w: torch.Tensor, k: int) -> bool:
     return kind == INT4 or (kind == INT8 and k % 16 == 0 and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
-def one_row(x: torch.Tensor, k: int, residual: torch.Tensor | None,
-            n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x's one row as a unit-stride [k] vector, and the residual as a contiguous [n] one (checked)."""
-    x1 = x.reshape(k)
-    if x1.stride(0) != 1:
-        x1 = x1.contiguous()
-    if residual is not None:
-        if residual.numel() != n:
-            raise ValueError(f"residual has {residual.numel()} elements, the output {n}")
-        residual = residual.reshape(n).contiguous()
-    return x1, residual
-
-
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
             n: int, k: int, group: int, bias: torch.Tensor | None, cfg: GemvConfig | None, *,
             rms_eps: float | None = None, residual: torch.Tensor | None = None,
@@ -468,7 +455,13 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     unit = _unit(kind, cfg, w, k)
     if not given and cfg.dequant == "unit" and not unit:
         cfg = INT8_BITS_CFG  # an INT8 "unit" tile whose rows are not whole 16-byte blocks: the tuned "bits" one
-    x1, residual = one_row(x, k, residual, n)
+    x1 = x.reshape(k)
+    if x1.stride(0) != 1:
+        x1 = x1.contiguous()
+    if residual is not None:
+        if residual.numel() != n:
+            raise ValueError(f"residual has {residual.numel()} elements, the output {n}")
+        residual = residual.reshape(n).contiguous()
     out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
     split = _splits(cfg, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k

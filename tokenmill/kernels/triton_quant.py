@@ -3,8 +3,7 @@ INT4 (tokenmill/quant/formats.py), dequantized tile by tile in registers; no deq
 in memory.
 
 INT4 with bf16 x of 2 to 16 rows (and one row of a wide or deep matrix) goes to the tensor-core decode kernel of
-triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py (with TOKENMILL_INT4_IDOT=1, one INT4 row
-goes to the integer-dot GEMV of triton_int4_idot.py instead). Otherwise one kernel, two tile shapes.
+triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.
 Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the split that
 finishes last adds the fp32 partial sums in split order (triton_arrive.py), so results are deterministic.
@@ -23,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import triton_int4_idot, triton_int4_mma
+from tokenmill.kernels import triton_int4_mma
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     group_param,
@@ -179,10 +178,6 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     decode kernel (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile
     kernel runs the rest (and whatever M is when a config is given)."""
     int4 = qweight.dtype == torch.uint8
-    if (config is None and int4 and x.numel() == in_features and triton_int4_idot.enabled()
-            and triton_int4_idot.supports(x, qweight, group)):
-        return triton_int4_idot.int4_idot_gemv(x, qweight, scales, mins, in_features, group, bias,
-                                               residual=residual, out_dtype=out_dtype)
     if config is None and int4 and triton_int4_mma.supports(x, qweight, group, in_features):
         mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features,
                                                  triton_int4_mma.has_tma(qweight))
