@@ -60,6 +60,24 @@ def test_options_read_after_the_run_are_checked_before_it(flags, match):
         bench.run(ns)
 
 
+def test_no_server_is_a_clear_error():
+    """A port nothing listens on used to end in httpx's ConnectError traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ns = build_parser().parse_args(["bench", "serve", "--port", str(port), "--num-prompts", "1", "--disable-tqdm"])
+    with pytest.raises(ValueError, match=rf"cannot list the models of http://127\.0\.0\.1:{port} \(ConnectError: "
+                                         r".*start a server \(tokenmill serve\)"):
+        bench.run(ns)
+
+
+def test_a_failing_first_request_is_a_clear_error(fake_server):
+    ns = build_parser().parse_args(["bench", "serve", "--base-url", fake_server, "--endpoint", "/v1/nowhere",
+                                    "--num-prompts", "1", "--disable-tqdm"])
+    with pytest.raises(ValueError, match=rf"initial test run against {fake_server}/v1/nowhere failed.*404"):
+        bench.run(ns)
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),           # hung: a pool of 0 connections
     (["--seed", "-1"], "--seed must be at least 0, got -1"),                       # numpy's "Seed must be between"

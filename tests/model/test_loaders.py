@@ -304,6 +304,16 @@ def test_extra_and_missing_safetensors_tensors_name_the_folder(tmp_path) -> None
         load_model(load_model_config(folder), folder)
 
 
+def test_integer_weights_are_refused_by_name(tmp_path) -> None:
+    """An integer tensor where a float weight belongs used to be cast to float silently (int8 values as weights)."""
+    folder = write_folder(tmp_path / "m")
+    rewrite_weights(folder, lambda s: s.update({"model.layers.0.mlp.down_proj.weight": torch.ones(16, 32,
+                                                                                              dtype=torch.int8)}))
+    with pytest.raises(ValueError, match=rf"{folder}: tensor 'model\.layers\.0\.mlp\.down_proj\.weight' holds "
+                                         r"int8 values; a weight must be floating point"):
+        load_model(load_model_config(folder), folder)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_corrupt_safetensors_names_the_file(tmp_path, damage) -> None:
     """safetensors' own SafetensorError ('incomplete metadata, file not fully covered') named no file."""

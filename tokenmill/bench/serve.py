@@ -232,7 +232,7 @@ async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[st
     response.raise_for_status()
     data = response.json().get("data") or []
     if not data:
-        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return data[0]["id"]
 
 
@@ -243,11 +243,16 @@ async def benchmark(ns: argparse.Namespace, requests: list[SampleRequest], token
     limit = ns.max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
-        model = ns.model or await first_model(client, base_url, headers)
+        try:
+            model = ns.model or await first_model(client, base_url, headers)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot list the models of {base_url} ({type(e).__name__}: {e}); start a server "
+                             "(tokenmill serve) or point --base-url / --host / --port at one") from None
         print("Starting initial single prompt test run...")
         test = await send_request(client, url, ns.backend, model, requests[0], ns, headers)
         if not test.success:
-            raise RuntimeError(f"initial test run failed; check the benchmark arguments. Error: {test.error}")
+            raise ValueError(f"initial test run against {url} failed; check the server and the benchmark "
+                             f"arguments. Error: {test.error}")
         print("Initial test run completed.")
         distribution = "Poisson process" if ns.burstiness == 1.0 else "Gamma distribution"
         print(f"Traffic request rate: {ns.request_rate}\nBurstiness factor: {ns.burstiness} ({distribution})\n"

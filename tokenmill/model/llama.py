@@ -138,6 +138,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+                raise ValueError(f"tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; a "
+                                 "weight must be floating point (float32, float16 or bfloat16), or packed by "
+                                 "`tokenmill quantize` with its quantization_config in config.json")
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not tied:
                 embedding = tensor  # for a tied head that is no longer the embedding's parameter
             # a tied head is the embedding, as in transformers; a QuantizedWeight (not a Tensor) is a quantize
