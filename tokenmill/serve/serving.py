@@ -243,21 +243,26 @@ class OpenAIServing:
                                   top_logprobs=[{self._token_text(t): v for t, v in lp.top.items()} for lp in lps],
                                   text_offset=offsets)
 
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text, encoded in a worker thread: `tokenizers` releases the GIL, so a long prompt (up to
+        the body limit, seconds of encoding) does not stall the event loop, every other stream and /health with it."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
     # ---- chat completions -------------------------------------------------------------------
-    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
         except Exception as e:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=False)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
-        ids = self.chat_prompt_ids(req.messages)
+        ids = await self.chat_prompt_ids(req.messages)
         max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages")
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -314,7 +319,7 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
     # ---- completions ------------------------------------------------------------------------
-    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
             prompts: list[str | list[int]] = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -328,7 +333,7 @@ class OpenAIServing:
         ids = []
         for p in prompts:
             if isinstance(p, str):
-                ids.append(self.tokenizer.encode(p))
+                ids.append(await self.encode(p))
                 continue
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
@@ -338,7 +343,7 @@ class OpenAIServing:
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self._admit(req)
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt)
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt") for ids in prompts]
         if len(set(max_tokens)) > 1:  # max_tokens null with prompts of several lengths: each gets its own budget
             params = [self._sampling_params(req, m, req.logprobs) for m in max_tokens]
