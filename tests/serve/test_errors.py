@@ -202,6 +202,15 @@ def test_openai_client_raises_bad_request(client, model_name):
     assert e.value.body["param"] == "messages"
 
 
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("top_p", float("inf")),
+                                          ("timeout_s", float("inf")), ("presence_penalty", float("-inf"))])
+def test_non_finite_numbers_are_named(server, field, value):
+    """NaN used to be reported against the field's bounds ("less than or equal to 2"); timeout_s took Infinity."""
+    body = {"prompt": "hi", "max_tokens": 2, field: value}
+    assert_error(post(server, "/v1/completions", json.dumps(body, allow_nan=True)), 400, field,
+                 "Input should be a finite number")
+
+
 def test_random_garbage_never_500(server):
     rng = random.Random(0)
     fields = ["messages", "prompt", "model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream",

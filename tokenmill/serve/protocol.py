@@ -18,7 +18,9 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN and Infinity (which Python's JSON reads) are refused as "not a finite number", not checked against a
+    # field's bounds, where NaN read "should be less than or equal to 2" and Infinity passed a lower bound alone
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 def _utf8(text: str) -> str:
