@@ -133,11 +133,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run() -> None:
-    """The console entry point: bad input (a ValueError, whose message says what is wrong and what is allowed)
-    ends the command with that message and status 2, as argparse's own errors do, instead of a traceback."""
+    """The console entry point: bad input (a ValueError, whose message says what is wrong and what is allowed,
+    or a FileNotFoundError for a model or file that is not there) ends the command with that message and status
+    2, as argparse's own errors do, instead of a traceback."""
     try:
         main()
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
