@@ -9,7 +9,9 @@ from tokenmill import SamplingParams
     (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(seed=-1), "seed"), (dict(logprobs=50), "logprobs"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(temperature="hot"), "temperature"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(min_tokens=True), "min_tokens"),
+    (dict(ignore_eos="no"), "ignore_eos"), (dict(skip_special_tokens=None), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
 ])
 def test_invalid_params_name_param_value_and_range(kwargs, name):
     with pytest.raises(ValueError) as e:

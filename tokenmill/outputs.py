@@ -52,6 +52,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the chosen tokens' logprobs; None unless the request asked for logprobs."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
 
 @dataclass
 class RequestOutput:

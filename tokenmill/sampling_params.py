@@ -79,7 +79,7 @@ class SamplingParams:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
             self._fail("max_tokens", self.max_tokens, "None or an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             self._fail("min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -89,6 +89,9 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):
             self._fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):  # "no" would be truthy
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, getattr(self, name), "True or False")
         if not isinstance(self.output_kind, RequestOutputKind):
             self._fail("output_kind", self.output_kind, "a RequestOutputKind")
 

@@ -2,6 +2,7 @@
 logprobs, aborts and bad input."""
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -264,6 +265,62 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
                                SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
 
 
+def test_generate_takes_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, are the prompts they hold (list() of a lone dict
+    made its key "prompt" the prompt)."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    text = "What is the capital of France?"
+    ids = llm.get_tokenizer().encode(text)
+    plain = llm.generate(text, greedy)[0]
+    for given in ({"prompt": text}, [{"prompt": text}]):
+        out = llm.generate(given, greedy)
+        assert len(out) == 1 and out[0].prompt == text and out[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    out = llm.generate([{"prompt_token_ids": ids}, {"prompt": "Hi"}], greedy)
+    assert out[0].prompt is None and out[0].prompt_token_ids == ids
+    assert out[0].outputs[0].token_ids == plain.outputs[0].token_ids and out[1].prompt == "Hi"
+    with pytest.raises(ValueError, match='dict prompt must be {"prompt": text} or {"prompt_token_ids"'):
+        llm.generate({"text": text})
+
+
+def test_sampling_params_that_are_not_sampling_params_queue_nothing(llm):
+    engine = llm.llm_engine
+    for bad in ([SamplingParams(), None], {"temperature": 0}):
+        with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them"):
+            llm.generate(["Hi", "Yo"], bad)
+        assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+
+
+def test_timed_out_seeded_request_starts_afresh_under_its_id(llm):
+    """A timed-out request's seeded generator is dropped, as an aborted one's: a new request under the same id and
+    seed samples what that seed gives."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    ids = prompt(llm, "Tell me a story.")
+    expected = llm.generate([ids], params)[0].outputs[0].token_ids
+    engine.add_request("late", ids, params, timeout_s=60)
+    for _ in range(3):
+        engine.step()
+    clock = engine.scheduler.clock
+    engine.scheduler.clock = lambda: time.monotonic() + 120
+    try:
+        outs = run_to_end(engine, {})
+    finally:
+        engine.scheduler.clock = clock
+    assert outs["late"].outputs[0].finish_reason == "abort" and len(outs["late"].outputs[0].token_ids) == 3
+    engine.add_request("late", ids, params)
+    assert run_to_end(engine, {})["late"].outputs[0].token_ids == expected
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks
+
+
+def test_cumulative_logprob(llm):
+    """vLLM's CompletionOutput.cumulative_logprob: the chosen tokens' logprobs summed, None without logprobs."""
+    p = prompt(llm, "Say yes.")
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, logprobs=0))[0].outputs[0]
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+    assert out.cumulative_logprob < 0
+    assert llm.generate([p], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].cumulative_logprob is None
+
+
 def test_cli_generate_streams_text():
     r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "What is the capital of France?",
                         "--max-tokens", "12", "--dtype", "float32"], capture_output=True, text=True, timeout=300)
@@ -277,6 +334,33 @@ def test_cli_chat_repl_is_multi_turn():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "Rome" in r.stdout
+
+
+def test_requests_that_could_never_run_as_asked_are_refused(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"n=65 samples never fit the waiting queue of 64 requests"):
+        engine.add_request("many", [1, 2, 3], SamplingParams(n=65))  # was QueueFullError: "retry later"
+    # "x#0" named by a user while sample 0 of "x" has finished and sample 1 runs: it took over the sample's
+    # mapping, which "x" ending then removed
+    engine.add_request("x", [1, 2, 3], SamplingParams(n=2, max_tokens=1, ignore_eos=True))
+    engine.groups["x"].children[1].sampling_params = SamplingParams(max_tokens=4, ignore_eos=True)
+    while not engine.groups["x"].children[0].is_finished:
+        engine.step()
+    with pytest.raises(ValueError, match=r"request id 'x#0' is already in use"):
+        engine.add_request("x#0", [1, 2, 3])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.groups and not engine.child_to_group
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks
+
+
+def test_stop_strings_without_a_tokenizer_are_refused():
+    """They were ignored: with no tokenizer there is no text to find them in, so the request ran to its length."""
+    engine = LLM(dtype="float32", max_model_len=128, skip_tokenizer_init=True).llm_engine
+    with pytest.raises(ValueError, match=r"stop strings \['\.'\] need a tokenizer.*use stop_token_ids"):
+        engine.add_request(None, [1, 2, 3], SamplingParams(stop=["."]))
+    engine.add_request(None, [1, 2, 3], SamplingParams(stop_token_ids=[5], max_tokens=2))
+    assert engine.has_unfinished_requests()
 
 
 def test_generate_takes_more_prompts_than_the_queue_holds(llm):

@@ -164,6 +164,12 @@ class LLMEngine:
         text, ids = self.encode_prompt(prompt)
         params.verify_vocab(self.model_config.vocab_size)
         self.scheduler.check_request(len(ids), params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer to read the output, and this engine has "
+                             "none (skip_tokenizer_init); use stop_token_ids")
+        if params.n > self.scheduler.config.max_queue_len:  # a retry could never make room for them
+            raise ValueError(f"n={params.n} samples never fit the waiting queue of "
+                             f"{self.scheduler.config.max_queue_len} requests; allowed: n <= max_queue_len")
         if len(self.scheduler.waiting) + params.n > self.scheduler.config.max_queue_len:
             self.scheduler.stats.num_rejected += 1
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.config.max_queue_len} requests); "
@@ -178,9 +184,11 @@ class LLMEngine:
                                                  "seed": None if params.seed is None else (params.seed + i) % 2 ** 63})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, child_params, now, priority, request_id, i, timeout))
-        taken = next((c.request_id for c in children if c.request_id in self.scheduler.requests), None)
+        taken = next((c.request_id for c in children  # a finished sample's id stays taken until its group ends
+                      if c.request_id in self.scheduler.requests or c.request_id in self.child_to_group), None)
         if taken is not None:  # checked for all samples first: none is queued when one cannot be
-            raise ValueError(f"request id {taken!r} (sample of {request_id!r}) is already in use")
+            of = f" (sample of {request_id!r})" if params.n > 1 else ""
+            raise ValueError(f"request id {taken!r}{of} is already in use")
         group = _Group(request_id, text, ids, children, [Detokenizer(self.tokenizer, c) for c in children]
                        if self.tokenizer is not None else [], [0] * params.n)
         for c in children:
@@ -216,7 +224,8 @@ class LLMEngine:
         overlaps the device's work for the other; its own tokens are reported by the next call."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        for req in out.timed_out:
+        for req in out.timed_out:  # as an abort: a seeded generator kept would go on in a request reusing the id
+            self.runner.sampler.forget(req.request_id)
             self._pending[req.parent_id] = self.child_to_group[req.request_id]
         if not out.is_empty and self._can_launch_ahead(out):
             with self._watch_workers():

@@ -12,7 +12,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # dict: vLLM's {"prompt": text} or {"prompt_token_ids": ids}
 
 
 class LLM:
@@ -25,13 +25,17 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
+        else:  # checked before any prompt is queued
+            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            for sp in params:
+                if not isinstance(sp, SamplingParams):
+                    raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                     f"got {sp!r}")
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
@@ -81,6 +85,17 @@ class LLM:
             if out.finished and out.request_id in ours and out.request_id not in final:
                 final[out.request_id] = out
                 bar.update(1)
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    """A prompt for the engine: text or token ids as given, or the one taken from vLLM's TextPrompt /
+    TokensPrompt dict (list() of a dict would otherwise make its keys the prompts)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if prompt.keys() in ({"prompt"}, {"prompt_token_ids"}):
+        return next(iter(prompt.values()))  # its type is checked with any other prompt's
+    raise ValueError('a dict prompt must be {"prompt": text} or {"prompt_token_ids": [token ids]}, '
+                     f"got {prompt!r}")
 
 
 def _messages(conversation: Any) -> list[dict[str, Any]]:
