@@ -9,11 +9,11 @@ import os
 import gguf
 import pytest
 from tokenizers import Tokenizer as Backend
-from tokenizers import processors
+from tokenizers import pre_tokenizers, processors
 
 transformers = pytest.importorskip("transformers")
 
-from tokenmill.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from tokenmill.tokenizer import BYTE_LEVEL, Tokenizer, load_tokenizer  # noqa: E402
 
 TEXTS = [
     "Hello world",
@@ -220,3 +220,17 @@ def test_missing_tokenizer(tmp_path) -> None:
         load_tokenizer(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json not found; expected a Hugging Face fast tokenizer"):
         load_tokenizer(str(tmp_path))
+
+
+def test_token_bytes_give_back_characters_split_over_tokens(gguf_tokenizer: Tokenizer, tmp_path) -> None:
+    """A token holding part of a character decodes to U+FFFD; its bytes (OpenAI's logprobs `bytes`) joined with
+    its neighbours' are the text's UTF-8, for byte-level BPE (the default model) and SentencePiece byte tokens."""
+    assert set(BYTE_LEVEL) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(BYTE_LEVEL.values()) == \
+        list(range(256))
+    text = "ünïcødé 你好，世界 🙂👍🏽 く"
+    ids = gguf_tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in gguf_tokenizer.decode([i]) for i in ids)  # some tokens hold part of a character
+    assert b"".join(gguf_tokenizer.token_bytes(i) for i in ids) == text.encode()
+    sp = load_tokenizer(write_sentencepiece_gguf(tmp_path / "sp.gguf"))
+    ids = sp.encode("é", add_special_tokens=False)[1:]
+    assert [sp.token_bytes(i) for i in ids] == [b"\xc3", b"\xa9"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 from typing import Any
 
@@ -105,6 +106,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprobs `bytes`). A token holding part of a UTF-8 character
+        decodes to U+FFFD alone, yet its bytes joined with its neighbours' give the character back: they come
+        from its piece, in GPT-2's byte alphabet or as SentencePiece's byte token <0xHH>."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            piece = self.backend.id_to_token(token_id) or ""
+            byte = BYTE_PIECE.fullmatch(piece)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            if piece and all(ch in BYTE_LEVEL for ch in piece):
+                return bytes(BYTE_LEVEL[ch] for ch in piece)
+        return text.encode()
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
@@ -180,6 +195,18 @@ def _load_hf_tokenizer(model_dir: str) -> Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         source = f"the chat template of {config_path}"
     return Tokenizer(backend, special, generation_eos_ids(model_dir), template, source)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte alphabet read backwards: the byte each character of a byte-level piece stands for (tokenizers
+    exposes the alphabet, ByteLevel.alphabet(), but not which byte a character is)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 
 def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:

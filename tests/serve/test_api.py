@@ -121,6 +121,18 @@ def test_stop_strings(client, model_name):
     assert text.startswith(r.choices[0].text)
 
 
+def test_null_means_the_default(client, model_name):
+    """OpenAI's optional fields are nullable, and its client sends a field passed as None as null: such a request
+    gets the field's default, as from OpenAI and vLLM, not a 400."""
+    nulls = dict(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None)
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, logprobs=None, **nulls,
+                                       extra_body={"ignore_eos": True})
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None and r.usage.completion_tokens == 2
+    r = client.completions.create(model=model_name, prompt="Hello", max_tokens=2, echo=None, **nulls,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 1 and r.usage.completion_tokens == 2
+
+
 def test_logprobs(client, model_name):
     r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4, temperature=0,
                                        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -135,6 +147,39 @@ def test_logprobs(client, model_name):
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_bytes_of_a_character_split_over_tokens(server, client, model_name):
+    """"く" is two tokens of the default model, each part of the character: their text is U+FFFD, but their bytes
+    (OpenAI's reason for the field) join into the character's UTF-8; they used to be U+FFFD's bytes."""
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "く", "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 2, ids
+    entries = []
+    for token_id in ids:  # each token forced in turn
+        r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_completion_tokens=1,
+                                           temperature=0, logprobs=True, logit_bias={str(token_id): 100})
+        entries.append(r.choices[0].logprobs.content[0])
+    assert [e.token for e in entries] == ["\ufffd", "\ufffd"]
+    assert b"".join(bytes(e.bytes) for e in entries) == "く".encode()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token(client, model_name, stream):
+    """As OpenAI's and vLLM's: each position's top_logprobs has the sampled token beside the k most likely, so
+    logprobs=0 gives the sampled token alone; they used to hold the k most likely only."""
+    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=8, temperature=2.0, seed=7,
+                  extra_body={"ignore_eos": True})
+    for k in (0, 1):
+        r = client.completions.create(**kwargs, logprobs=k, stream=stream)
+        lps = [c.choices[0].logprobs for c in r if c.choices] if stream else [r.choices[0].logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+        chosen = [v for lp in lps for v in lp.token_logprobs]
+        tops = [top for lp in lps for top in lp.top_logprobs]
+        assert len(tokens) == len(tops) == 8
+        for token, logprob, top in zip(tokens, chosen, tops):
+            assert top[token] == logprob and len(top) <= k + 1
+        if k == 1:  # at temperature 2 some sampled token is not the most likely one
+            assert any(len(top) == 2 for top in tops)
 
 
 def one_token(server, text: str) -> int:

@@ -46,6 +46,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, conta
     ({"messages": OK_MESSAGES, "n": True}, "n"),
     ({"messages": OK_MESSAGES, "max_tokens": 0}, "max_tokens"),
     ({"messages": OK_MESSAGES, "max_tokens": "8"}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "max_tokens": 2000}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "max_completion_tokens": 2000}, "max_completion_tokens"),  # names the field sent
     ({"messages": OK_MESSAGES, "seed": -1}, "seed"),
     ({"messages": OK_MESSAGES, "stop": 5}, "stop"),
     ({"messages": OK_MESSAGES, "stop": [""]}, "stop"),

@@ -6,9 +6,9 @@ declared too, so that a request setting one is refused (`unsupported()`) rather 
 honoured; other unknown fields are ignored, as OpenAI-compatible servers do."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.request import PRIORITY_LIMIT
 
@@ -21,6 +21,17 @@ class _Request(BaseModel):
     # NaN and Infinity (which Python's JSON reads) are refused as "not a finite number", not checked against a
     # field's bounds, where NaN read "should be less than or equal to 2" and Infinity passed a lower bound alone
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable, and its client sends a field passed as None as null
+        (`temperature=None`): null on an optional field that does not take None means its default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()
+                or type(None) in get_args(fields[k].annotation)}
 
 
 def _utf8(text: str) -> str:

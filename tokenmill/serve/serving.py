@@ -114,7 +114,8 @@ class OpenAIServing:
             name, message = unsupported[0]
             raise APIError(400, message, name, "unsupported_parameter")
 
-    def _max_tokens(self, prompt_len: int, requested: int | None, what: str) -> int:
+    def _max_tokens(self, prompt_len: int, requested: int | None, what: str, field: str = "max_tokens") -> int:
+        """field: the request's name for `requested`, which an error names."""
         limit = self.max_model_len
         if prompt_len == 0:
             raise APIError(400, f"the {what} is empty: at least one token is required", what, "empty_prompt")
@@ -127,7 +128,7 @@ class OpenAIServing:
         if prompt_len + requested > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
                                 f"{prompt_len + requested} were requested ({prompt_len} in the {what}, {requested} "
-                                "for the output); lower max_tokens or shorten the prompt", "max_tokens",
+                                f"for the output); lower {field} or shorten the prompt", field,
                            "context_length_exceeded")
         return requested
 
@@ -225,7 +226,7 @@ class OpenAIServing:
     def _chat_logprobs(self, lps: list[Logprob]) -> ChatLogprobs:
         def top(tid: int, lp: float) -> TopLogprob:
             text = self._token_text(tid)
-            return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+            return TopLogprob(token=text, logprob=lp, bytes=list(self.tokenizer.token_bytes(tid)))
 
         content = []
         for lp in lps:
@@ -234,13 +235,15 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     def _completion_logprobs(self, lps: list[Logprob], offset: int) -> CompletionLogprobs:
+        """OpenAI's (and vLLM's) top_logprobs always hold the sampled token, so up to logprobs + 1 entries."""
         tokens = [self._token_text(lp.token_id) for lp in lps]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
         return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in lps],
-                                  top_logprobs=[{self._token_text(t): v for t, v in lp.top.items()} for lp in lps],
+                                  top_logprobs=[{**{self._token_text(t): v for t, v in lp.top.items()},
+                                                 token: lp.logprob} for token, lp in zip(tokens, lps)],
                                   text_offset=offsets)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -263,7 +266,8 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
         ids = await self.chat_prompt_ids(req.messages)
-        max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages")
+        field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages", field)
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await self._add([(rid, ids, params)], req)
