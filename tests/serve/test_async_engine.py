@@ -9,6 +9,7 @@ import torch
 from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError, RequestTimeoutError
 from tokenmill.engine.llm_engine import LLMEngine, QueueFullError
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.serve.metrics import ServerMetrics
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
 
@@ -24,7 +25,7 @@ class Recorder:
     def on_output(self, output) -> None:
         self.outputs += 1
 
-    def on_abort(self, reason: str) -> None:
+    def on_abort(self, reason: str, request_id: str) -> None:
         self.aborts.append(reason)
 
     def on_oom(self) -> None:
@@ -144,6 +145,28 @@ def test_abort_frees_blocks_before_the_next_step(engine):
     (during, after), rec = run(engine, scenario)
     assert blocks_in_use(during) > 0 and blocks_in_use(after) == 0
     assert rec.aborts == ["client_disconnect"]
+
+
+def test_server_metrics_forget_an_aborted_request():
+    """ServerMetrics kept the inter-token clock of every request aborted mid-stream (a client disconnect): an
+    aborted request never reports a finished output, where the clock used to be dropped."""
+    engine = LLMEngine.from_engine_args(max_model_len=512, max_num_seqs=4)
+    metrics = ServerMetrics("m")
+
+    async def main():
+        ae = AsyncEngine(engine, metrics)
+        ae.start()
+        try:
+            stream = await ae.add_request("x", prompt(), SamplingParams(max_tokens=100, ignore_eos=True))
+            await anext(stream)
+            assert "x" in metrics._last_token_time
+            ae.abort("x", "client_disconnect")
+            await ae.get_stats()
+        finally:
+            await ae.stop()
+
+    asyncio.run(main())
+    assert metrics._last_token_time == {}
 
 
 def test_timeout(engine):

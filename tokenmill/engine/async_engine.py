@@ -40,7 +40,7 @@ class EngineObserver(Protocol):
 
     def on_output(self, output: RequestOutput) -> None: ...
 
-    def on_abort(self, reason: str) -> None: ...
+    def on_abort(self, reason: str, request_id: str) -> None: ...
 
     def on_oom(self) -> None: ...
 
@@ -170,7 +170,7 @@ class AsyncEngine:
             if not pending.done.done():
                 pending.done.set_exception(error or RequestFailedError("the request was aborted before it started"))
         if self.observer is not None:
-            self.observer.on_abort(reason)
+            self.observer.on_abort(reason, request_id)
         self._kick()
 
     def abort_all(self, reason: str, error: Exception) -> None:
@@ -264,18 +264,18 @@ class AsyncEngine:
             self.abort_all("error", RequestFailedError(f"the engine failed while running this request: "
                                                        f"{type(it.step_error).__name__}: {it.step_error}"))
         for out in it.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted while this step ran: the observer has been told
+                continue
             if self.observer is not None:
                 self.observer.on_output(out)
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
             item: RequestOutput | BaseException = out
             if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
                 timed_out = any(c.stop_reason == "timeout" for c in out.outputs)
                 item = RequestTimeoutError("the request exceeded its timeout") if timed_out else \
                     RequestFailedError(out.error or "the request was aborted")
                 if self.observer is not None:
-                    self.observer.on_abort("timeout" if timed_out else "error")
+                    self.observer.on_abort("timeout" if timed_out else "error", out.request_id)
             stream.queue.put_nowait(item)
             if out.finished:
                 del self._streams[out.request_id]

@@ -173,8 +173,10 @@ class ServerMetrics:
             self.tpot.observe(tpot)
             self.window.tpots.append(tpot)
 
-    def on_abort(self, reason: str) -> None:
+    def on_abort(self, reason: str, request_id: str) -> None:
+        """An aborted request never reports a finished output: its inter-token clock goes here, or it stays."""
         self.aborts.labels(self.model_name, reason).inc()
+        self._last_token_time.pop(request_id, None)
 
     def on_oom(self) -> None:
         self.oom.inc()
