@@ -110,6 +110,47 @@ def test_bad_evaluation_arguments_and_inputs(tiny_model_dir: str, tmp_path) -> N
                   "--device", "cpu"])
 
 
+def test_bad_sizes_are_refused_before_any_work(tiny_model_dir: str) -> None:
+    """A corpus count of 0 or below sliced (nearly) the whole corpus, minutes of evaluation or calibration; a
+    window past the model's positions died with an IndexError in the rotary embedding."""
+    for kw, match in (({"num_tokens": 0}, "num_tokens must be at least 2"),
+                      ({"num_tokens": -5}, "num_tokens must be at least 2"),
+                      ({"num_tokens": 32, "calibration": "gptq", "calibration_tokens": 0}, "calibration_tokens"),
+                      ({"num_tokens": 600, "window": 600}, "600 tokens exceed the model's 512 positions")):
+        with pytest.raises(ValueError, match=match):
+            evaluate(tiny_model_dir, QuantFormat.parse("int8"), **{"window": 32, "device": "cpu", **kw})
+
+
+def test_quantize_never_writes_over_existing_files(tiny_model_dir: str, tmp_path) -> None:
+    """--out the model's own folder used to overwrite the original's weights and config, then fail on copying its
+    tokenizer onto itself; --out a file failed with a FileExistsError traceback."""
+    import shutil
+    source = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, source)
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    (tmp_path / "file").write_text("x")
+    for out, match in ((source, "output folder .* is not empty"), (tmp_path / "file", "output .* is a file")):
+        with pytest.raises(ValueError, match=match):
+            main(["quantize", "--model", str(source), "--method", "int8", "--calibration", "rtn", "--out", str(out),
+                  "--device", "cpu"])
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    (tmp_path / "empty").mkdir()
+    main(["quantize", "--model", str(source), "--method", "int8", "--calibration", "rtn", "--out",
+          str(tmp_path / "empty"), "--device", "cpu"])
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+def test_report_counts_the_projections_kept() -> None:
+    """--skip-top larger than the number of projections keeps them all, and the table says how many."""
+    from tokenmill.quant.report import format_report
+    metrics = {"kl_mean": 0.01, "kl_p99": 0.05, "top1_agreement": 0.9, "ppl_base": 10.0, "ppl_quant": 10.5,
+               "ppl_change": 0.05, "num_tokens": 64}
+    r = {"model": "m", "method": "int8", "calibration": "rtn", "kv_cache_dtype": "auto", "dtype": "float32",
+         "device": "cpu", "windows": 2, "window": 32, "linear_bytes_16bit": 100, "linear_bytes": 50, **metrics,
+         "mixed": {"skip_top": 1000, "kept_16bit": ["a", "b", "c"], **metrics, "linear_bytes": 100}}
+    assert "mixed precision, 3 most sensitive kept in 16-bit" in format_report(r)
+
+
 def test_parses_as_json() -> None:
     assert parses_as_json(' {"a": 1} ') and parses_as_json('```json\n[1, 2]\n```')
     assert not parses_as_json("Sure! {") and not parses_as_json("")

@@ -85,10 +85,12 @@ def test_emitted_tokens_follow_the_target(params, seeded):
     assert stat < CHI2_999[dof], (stat, dof)
 
 
-def test_point_mass_drafts_follow_the_target():
-    """n-gram drafts carry no q: they are point masses, accepted with probability p(x)."""
+@pytest.mark.parametrize("seeded", [False, True])
+def test_point_mass_drafts_follow_the_target(seeded):
+    """n-gram drafts carry no q: they are point masses, accepted with probability p(x) (seeded requests by a race
+    against the token plain decoding draws)."""
     params = SamplingParams(temperature=0.9)
-    logits, _, first, second, _ = run(params, with_q=False)
+    logits, _, first, second, _ = run(params, with_q=False, seeded=seeded)
     p = target_probs(logits, 0.9, V)
     for counts, probs in ((first, p[0]), (second, p[1])):
         stat, dof = chi2(counts, probs)

@@ -118,6 +118,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     assert llm.llm_engine.get_stats()["spec_num_verifications"] > 0
 
 
+def test_seeded_sampling_does_not_depend_on_the_number_of_drafts():
+    """The adaptive rule picks k from measured step times, so a seeded request must give the same tokens whatever
+    k it was allowed: with n-gram drafts they are plain seeded decoding's (they used to change with k, hence
+    from run to run)."""
+    ps = prompts(4, seed=6)
+    params = SamplingParams(temperature=0.5, top_k=3, seed=5, max_tokens=30, ignore_eos=True)
+    want = token_ids(make().generate(ps, params))
+    for k in (1, 4):
+        llm = make("ngram", k, prompt_lookup_min=1)
+        assert token_ids(llm.generate(ps, params)) == want
+        assert llm.llm_engine.get_stats()["spec_num_accepted_tokens"] > 0
+
+
 def test_logit_bias_applies_to_verification_and_drafts():
     """Greedy with logit_bias under speculation is plain decoding with that bias: the target's verification
     applies it, and so does the draft model (else its drafts, the unbiased argmax, would mostly be rejected)."""

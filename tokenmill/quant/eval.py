@@ -117,9 +117,15 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
         raise ValueError(f"window must be at least 2 tokens (a token and the one it predicts), got {window}")
     if skip_top < 0:
         raise ValueError(f"skip_top must be >= 0 (projections kept in 16-bit), got {skip_top}")
+    if num_tokens < 2:  # a slice by 0 or a negative count would be (nearly) the whole corpus
+        raise ValueError(f"num_tokens must be at least 2 (a token and the one it predicts), got {num_tokens}")
     path = resolve_model(model)
     dev = pick_device(device)
     config = load_model_config(path, load_format)
+    longest = min(window, num_tokens)
+    if longest > config.max_position_embeddings:  # positions past the model's rotary table
+        raise ValueError(f"windows of {longest} tokens exceed the model's {config.max_position_embeddings} "
+                         f"positions; use a window of at most {config.max_position_embeddings}")
     dt = pick_dtype(dtype, config.torch_dtype, dev)
     kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dt)
     tokenizer = load_tokenizer(path)

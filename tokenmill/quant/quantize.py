@@ -2,6 +2,8 @@
 quant-eval quantizes through quantize_weights too, so what it measures is what `tokenmill quantize` ships."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -36,6 +38,8 @@ def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, token
                          "original float model, not a quantized one")
     if resolve_calibration(calibration, fmt) == "rtn":
         return {name: quantize(model.get_submodule(name).weight.data, fmt) for name in names}
+    if calibration_tokens < 2:  # a slice by 0 or a negative count would be (nearly) the whole corpus
+        raise ValueError(f"calibration_tokens must be at least 2 for GPTQ, got {calibration_tokens}")
     from tokenmill.quant.corpus import WindowRunner, calibration_windows
     from tokenmill.quant.gptq import collect_hessians, gptq_quantize
     windows = calibration_windows(tokenizer, calibration_tokens, CALIBRATION_WINDOW)
@@ -52,6 +56,15 @@ def apply_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None
             replace_module(model, name, to_quant_linear(module, weights[name].fmt, weights[name]))
 
 
+def check_out_dir(out_dir: str) -> None:
+    """Refuse, before any work, an output that is a file or a folder with something in it: the checkpoint would be
+    written over what is there (with --out the model's own folder, over the original, which then fails halfway)
+    or mixed with stale files."""
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        what = f"output folder {out_dir} is not empty" if os.path.isdir(out_dir) else f"output {out_dir} is a file"
+        raise ValueError(f"{what}; give a new or empty folder (nothing is written over existing files)")
+
+
 def quantize_checkpoint(model: str | None, fmt: QuantFormat, out_dir: str, skip: list[str] | None = None,
                         calibration: str = "auto", calibration_tokens: int = 4096, dtype: str = "auto",
                         device: str = "auto", load_format: str = "auto", quantize_lm_head: bool = False) -> str:
@@ -63,6 +76,7 @@ def quantize_checkpoint(model: str | None, fmt: QuantFormat, out_dir: str, skip:
     from tokenmill.tokenizer import load_tokenizer
 
     path = resolve_model(model)
+    check_out_dir(out_dir)
     dev = pick_device(device)
     config = load_model_config(path, load_format)
     out_dtype = parse_dtype(config.torch_dtype or "float16") if dtype == "auto" else parse_dtype(dtype)

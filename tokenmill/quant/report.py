@@ -37,7 +37,8 @@ def format_report(r: dict[str, Any], top: int = 10) -> str:
                          f"{_pct(p['top1_agreement']):>7}")
     if "mixed" in r:
         m = r["mixed"]
-        lines += ["", f"mixed precision, {m['skip_top']} most sensitive kept in 16-bit:"]
+        # --skip-top may ask for more projections than there are: say how many were kept
+        lines += ["", f"mixed precision, {len(m['kept_16bit'])} most sensitive kept in 16-bit:"]
         row("  KL mean / p99", f"{m['kl_mean']:.5f} / {m['kl_p99']:.5f} (all quantized: {r['kl_mean']:.5f})")
         row("  top-1 agreement", _pct(m["top1_agreement"]))
         row("  perplexity", f"{m['ppl_base']:.3f} -> {m['ppl_quant']:.3f} ({100 * m['ppl_change']:+.2f}%)")

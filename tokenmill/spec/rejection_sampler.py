@@ -6,7 +6,9 @@ proposer's (a point mass for n-gram lookup and greedy drafts). At the first reje
 the normalized residual max(0, p - q) and the step ends; when every draft is accepted a bonus token is drawn
 from p at the position after the last one. Each emitted token is then distributed exactly as the target's.
 A greedy request's p is the one-hot of its argmax, which turns the rule into "accept while the draft equals
-the argmax, then emit the argmax": the output of plain greedy decoding, token for token.
+the argmax, then emit the argmax": the output of plain greedy decoding, token for token. A seeded request with
+point-mass drafts races them against the token plain decoding would draw (_race_drafts): the same rule, with
+random draws that do not depend on how many drafts it carried.
 """
 from __future__ import annotations
 
@@ -75,16 +77,23 @@ class RejectionSampler:
         draft_ids = torch.tensor([t for r in reqs for t in r.spec_token_ids], dtype=torch.long, device=dev)
         p_draft = p[torch.tensor(draft_rows, device=dev), draft_ids]
         q_draft = self._q_draft(reqs, num_drafts, draft_ids)
+        raced = {i: self._race_drafts(p[s: s + k + 1], r)
+                 for i, (r, s, k) in enumerate(zip(reqs, starts, num_drafts)) if self._races(r)}
         u = self._uniforms(reqs, num_drafts, dev)
         num_accepted = emitted_counts(accept(p_draft, q_draft, u).tolist(), num_drafts)
+        for i, t in raced.items():
+            num_accepted[i] = len(t) - 1
         final_rows = [s + a for s, a in zip(starts, num_accepted)]
         final = p[torch.tensor(final_rows, device=dev)]
-        rejected = [i for i, (a, k) in enumerate(zip(num_accepted, num_drafts)) if a < k]
+        rejected = [i for i, (a, k) in enumerate(zip(num_accepted, num_drafts)) if a < k and i not in raced]
         if rejected:
             q = torch.stack([self._q_row(reqs[i], num_accepted[i], final.shape[1], dev) for i in rejected])
             final[rejected] = residual(final[rejected], q)
-        last = self.sampler.race(final, reqs).tolist()
-        tokens = [r.spec_token_ids[:a] + [t] for r, a, t in zip(reqs, num_accepted, last)]
+        ruled = [i for i in range(len(reqs)) if i not in raced]   # judged with u and the residual
+        drawn = self.sampler.race(final[ruled], [reqs[i] for i in ruled]).tolist() if ruled else []
+        last = dict(zip(ruled, drawn))
+        tokens = [raced[i] if i in raced else r.spec_token_ids[:a] + [last[i]]
+                  for i, (r, a) in enumerate(zip(reqs, num_accepted))]
         logprobs = [[None] * len(t) for t in tokens]
         if raw_logprobs is not None:
             for i, (r, t) in enumerate(zip(reqs, tokens)):
@@ -105,6 +114,27 @@ class RejectionSampler:
             g = torch.tensor(greedy, device=logits.device)
             p[g] = torch.zeros_like(p[g]).scatter_(1, logits[g].argmax(dim=-1, keepdim=True), 1.0)
         return p
+
+    def _races(self, req: Request) -> bool:
+        """A seeded, sampled request with point-mass (n-gram) drafts: judged by _race_drafts."""
+        p = req.sampling_params
+        return p.seed is not None and not p.greedy and req.request_id not in self.draft_probs
+
+    def _race_drafts(self, p: torch.Tensor, req: Request) -> list[int]:
+        """The emitted tokens of a request that _races: at each position the token plain decoding would draw
+        (argmax p / E, one Exp(1) row from the request's generator, as Sampler.race), the draft accepted while it
+        is that token. For a point-mass q this is the rule (x kept with probability p(x), else a token from p
+        without x: the normalized residual), and it draws one row per emitted token however many drafts there
+        were, so a seeded request's tokens do not depend on the k that the adaptive rule (which follows measured
+        step times) or the token budget allowed: they are those of plain seeded decoding."""
+        gen = self.sampler.request_generator(req)
+        drafts, out = req.spec_token_ids, []
+        for j in range(p.shape[0]):
+            row = p[j: j + 1]
+            out.append(int(self.sampler.argmax(row / torch.empty_like(row).exponential_(generator=gen))[0]))
+            if j == len(drafts) or out[-1] != drafts[j]:
+                break
+        return out
 
     def _q_draft(self, reqs: list[Request], num_drafts: list[int], draft_ids: torch.Tensor) -> torch.Tensor:
         """q of each draft token: from the proposer's distribution where it gave one, else 1 (a point mass)."""
@@ -128,13 +158,13 @@ class RejectionSampler:
         return torch.zeros(vocab, device=dev).index_fill_(0, torch.tensor([req.spec_token_ids[j]], device=dev), 1.0)
 
     def _uniforms(self, reqs: list[Request], num_drafts: list[int], dev: torch.device) -> torch.Tensor:
-        """One U[0, 1) per draft token, a seeded request's from its own generator."""
-        u = torch.empty(sum(num_drafts), device=dev)
+        """One U[0, 1) per draft token, a seeded request's from its own generator (0 for a raced request's)."""
+        u = torch.zeros(sum(num_drafts), device=dev)
         unseeded, i = [], 0
         for r, k in zip(reqs, num_drafts):
             if r.sampling_params.seed is None:
                 unseeded.extend(range(i, i + k))
-            elif k:
+            elif k and not self._races(r):   # a raced request draws no u
                 u[i: i + k] = torch.rand(k, device=dev, generator=self.sampler.request_generator(r))
             i += k
         if unseeded:
