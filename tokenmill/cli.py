@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm_engine import LLMEngine
 
 # subcommand -> module with add_parser(subparsers) that sets `func` on its parser
 EXTRA_COMMANDS = ["tokenmill.serve.cli", "tokenmill.bench.cli", "tokenmill.quant.cli", "tokenmill.sim.cli",
@@ -49,9 +53,20 @@ def stream(engine, prompt, params, out=sys.stdout) -> str:
     return text
 
 
-def cmd_generate(ns: argparse.Namespace) -> None:
+def text_engine(ns: argparse.Namespace) -> LLMEngine:
+    """The engine of generate and chat, which take text: one without a tokenizer (dummy weights without
+    --tokenizer, or --skip-tokenizer-init) is refused with a message, not an AttributeError on the first prompt."""
     from tokenmill.engine.llm_engine import LLMEngine
-    engine = LLMEngine(engine_args_from(ns))
+    args = engine_args_from(ns)
+    engine = None if args.skip_tokenizer_init else LLMEngine(args)
+    if engine is None or engine.tokenizer is None:
+        raise ValueError(f"tokenmill {ns.command} takes text, and this engine has no tokenizer (dummy weights "
+                         "without --tokenizer, or --skip-tokenizer-init)")
+    return engine
+
+
+def cmd_generate(ns: argparse.Namespace) -> None:
+    engine = text_engine(ns)
     params = sampling_params_from(ns)
     prompt = ns.prompt
     if ns.chat_template:
@@ -61,8 +76,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def cmd_chat(ns: argparse.Namespace) -> None:
-    from tokenmill.engine.llm_engine import LLMEngine
-    engine = LLMEngine(engine_args_from(ns))
+    engine = text_engine(ns)
     tok, params = engine.tokenizer, sampling_params_from(ns)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
     print("tokenmill chat: type a message, /reset to start over, /exit or Ctrl-D to quit.")

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tokenmill.bench import sweep
 from tokenmill.bench.ablation import recompute_generate
 from tokenmill.bench.common import build_engine, generate, weight_bytes
 from tokenmill.bench.sweep import parse_sweep
@@ -145,6 +146,22 @@ def test_parse_sweep():
         parse_sweep(["block_sizes=16"])
     with pytest.raises(ValueError, match="OPTION=V1"):
         parse_sweep(["block_size"])
+    assert parse_sweep(["kv_cache_memory=1MiB,2GB"]) == [{"kv_cache_memory": 1 << 20}, {"kv_cache_memory": 2 * 10**9}]
+    with pytest.raises(ValueError, match="--sweep block_size: '' is not a valid int"):
+        parse_sweep(["block_size=16,"])
+
+
+def test_sweep_values_are_checked_before_the_first_row_runs(monkeypatch):
+    monkeypatch.setattr(sweep, "build_engine", lambda *a: pytest.fail("an engine was built"))
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        main(["bench", "latency", *TINY, "--sweep", "block_size=16,24"])
+
+
+def test_out_that_cannot_be_written_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep, "build_engine", lambda *a: pytest.fail("an engine was built"))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "latency", *TINY, "--out", str(tmp_path)])
+    assert e.value.code == 2 and f"argument --out: {tmp_path} is a directory" in capsys.readouterr().err
 
 
 def test_weight_bytes_counts_one_embedding_row():
@@ -192,6 +209,8 @@ SMALL = ["--max-input-len", "8", "--max-output-len", "4"]   # keeps a run short 
     (["profile", "--verify-context", "0"], "--verify-context must be at least 1, got 0"),  # IndexError in torch
     (["profile", "--verify-query-lens", "0"], "--verify-query-lens must be at least 1, got 0"),   # RuntimeError
     (["profile", "--verify-context", "4", "--verify-query-lens", "1", "8"], "at most --verify-context"),
+    (["profile", "--batch-sizes", "4", "--max-num-seqs", "2", "--num-steps", "2", "--input-len", "4",
+      "--verify-query-lens"], "--batch-sizes must be at most --max-num-seqs"),  # timed at 2, labelled 4
     (["compare-hf", "--repeats", "0"], "--repeats must be at least 1, got 0"),            # IndexError in median
     (["latency", "--num-gpu-blocks-override", "-1"], "num_gpu_blocks_override must be >= 2"),     # RuntimeError
     (["latency", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),         # "KV budget holds 1"

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 import time
 from datetime import datetime
 from typing import Any, Callable, Iterator, Sequence
@@ -138,8 +139,24 @@ def _cpu_name() -> str:
 # ---- command line and output --------------------------------------------------------------------
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """Engine options (all of EngineArgs) plus --out."""
-    p.add_argument("--out", default=None, metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument("--out", default=None, metavar="PATH", type=writable_path,
+                   help="write the results as JSON to PATH")
     add_engine_args(p)
+
+
+def writable_path(path: str) -> str:
+    """The type of --out: the JSON is written after a run that can take minutes, so a path that cannot be written
+    (a folder, a place without write access) is refused before the run starts, not after it."""
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory; give a file path")
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
 
 
 def result_header(name: str, args: EngineArgs, device: torch.device, params: dict[str, Any]) -> dict[str, Any]:

@@ -120,9 +120,12 @@ def verify_cost(engine: LLMEngine, context_len: int, query_lens: list[int], iter
 
 def check_args(ns: argparse.Namespace) -> None:
     """Before the engine is built: zero steps divide by zero, a verify run longer than its context has
-    negative positions."""
+    negative positions, and a batch above max_num_seqs would be timed at max_num_seqs under its own label."""
     check_at_least(ns, {"batch_sizes": 1, "input_len": 1, "num_steps": 1, "top": 0, "verify_context": 1,
                         "verify_query_lens": 1})
+    if max(ns.batch_sizes) > ns.max_num_seqs:
+        raise ValueError(f"--batch-sizes must be at most --max-num-seqs ({ns.max_num_seqs}), "
+                         f"got {max(ns.batch_sizes)}")
     if ns.verify_query_lens and max(ns.verify_query_lens) > ns.verify_context:
         raise ValueError(f"--verify-query-lens must be at most --verify-context ({ns.verify_context}), "
                          f"got {max(ns.verify_query_lens)}")

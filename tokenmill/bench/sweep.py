@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from tokenmill.bench.common import build_engine, release_memory
 from tokenmill.config import EngineArgs
+from tokenmill.engine.arg_utils import parse_bytes
 from tokenmill.engine.llm_engine import LLMEngine
 
 SWEEP_HELP = ("grid search over engine options, one row per combination: e.g. --sweep block_size=16,32 "
@@ -29,7 +30,11 @@ def _parse_value(name: str, text: str) -> Any:
         if text.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"--sweep {name}: {text!r} is not a boolean (true/false)")
         return text.lower() in ("true", "1")
-    return base(text)
+    parse = parse_bytes if name == "kv_cache_memory" else base  # as --kv-cache-memory reads it: 512MiB, 2GB
+    try:
+        return parse(text)
+    except ValueError:
+        raise ValueError(f"--sweep {name}: {text!r} is not a valid {base.__name__}") from None
 
 
 def parse_sweep(specs: list[str] | None) -> list[dict[str, Any]]:
@@ -57,11 +62,11 @@ def combination_args(base: EngineArgs, combo: dict[str, Any]) -> EngineArgs:
 def run_sweep(base: EngineArgs, specs: list[str] | None, measure: Callable[[LLMEngine], list[dict[str, Any]]],
               header: Callable[[EngineArgs, LLMEngine], dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """measure(engine) on a fresh engine per combination, each row prefixed with its combination; the rows and
-    the first engine's result header. Each engine is released before the next is built."""
+    the first engine's result header. Each engine is released before the next is built. Every combination is
+    validated before the first runs, so a bad value is not found only after the rows before it."""
     rows: list[dict[str, Any]] = []
     first: dict[str, Any] | None = None
-    for combo in parse_sweep(specs):
-        args = combination_args(base, combo)
+    for combo, args in [(c, combination_args(base, c)) for c in parse_sweep(specs)]:
         engine = build_engine(args)
         first = first or header(args, engine)
         rows += [{**combo, **row} for row in measure(engine)]
