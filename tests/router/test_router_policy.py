@@ -54,6 +54,13 @@ def test_completion_key_is_the_prompt_beginning():
                                                                                     completion([1, 2, 4])).key
 
 
+def test_a_lone_surrogate_in_a_prompt_still_routes():
+    """The backend refuses it with a 400; the router must get it there, not fail with a 500 of its own."""
+    for body in (b'{"prompt": "\\ud800 hi"}', b'{"prompt": ["ok", "\\udfff"]}'):
+        info = route_info("/v1/completions", body)
+        assert info.key is not None and info.prompt_tokens == 1
+
+
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", b"not json"), ("/v1/chat/completions", b"[1]"),
                                        ("/v1/chat/completions", b'{"messages": "hi"}'),
                                        ("/v1/chat/completions", b'{"messages": []}'),

@@ -37,9 +37,12 @@ def build_app(config: RouterConfig) -> FastAPI:
     router = Router([Backend(u, "short") for u in config.backends], [Backend(u, "long") for u in config.long_backends],
                     config.long_prompt_threshold, config.affinity_slack)
     metrics = RouterMetrics(router.backends)
-    # no read timeout: a generation takes as long as it takes, and a dead backend is caught by the health check
+    # no read timeout: a generation takes as long as it takes, and a dead backend is caught by the health check;
+    # idle connections are dropped before a backend's (uvicorn's 5 s keep-alive), so no request goes out on one
+    # the backend is closing, which would read as a lost backend
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.health_timeout),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                   keepalive_expiry=4.0))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

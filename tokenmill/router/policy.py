@@ -50,8 +50,9 @@ def _chat_info(messages: Any) -> RouteInfo:
 
 
 def _prompt_info(prompt: Any) -> tuple[bytes, int] | None:
+    """surrogatepass: JSON may carry a lone surrogate ("\\ud800"), which the backend refuses with a 400 of its own."""
     if isinstance(prompt, str) and prompt:
-        return prompt[:COMPLETION_KEY_CHARS].encode(), -(-len(prompt) // CHARS_PER_TOKEN)
+        return prompt[:COMPLETION_KEY_CHARS].encode("utf-8", "surrogatepass"), -(-len(prompt) // CHARS_PER_TOKEN)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return json.dumps(prompt[:COMPLETION_KEY_TOKENS]).encode(), len(prompt)
     return None
