@@ -122,16 +122,14 @@ class RejectionSampler:
 
     def _race_drafts(self, p: torch.Tensor, req: Request) -> list[int]:
         """The emitted tokens of a request that _races: at each position the token plain decoding would draw
-        (argmax p / E, one Exp(1) row from the request's generator, as Sampler.race), the draft accepted while it
+        (Sampler.race on that row: one Exp(1) row from the request's generator), the draft accepted while it
         is that token. For a point-mass q this is the rule (x kept with probability p(x), else a token from p
         without x: the normalized residual), and it draws one row per emitted token however many drafts there
         were, so a seeded request's tokens do not depend on the k that the adaptive rule (which follows measured
         step times) or the token budget allowed: they are those of plain seeded decoding."""
-        gen = self.sampler.request_generator(req)
         drafts, out = req.spec_token_ids, []
         for j in range(p.shape[0]):
-            row = p[j: j + 1]
-            out.append(int(self.sampler.argmax(row / torch.empty_like(row).exponential_(generator=gen))[0]))
+            out.append(int(self.sampler.race(p[j: j + 1], [req])[0]))
             if j == len(drafts) or out[-1] != drafts[j]:
                 break
         return out
