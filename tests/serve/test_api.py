@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
+from serve_helpers import Server
 
 from tokenmill import __version__
 
@@ -22,6 +24,62 @@ def test_models_health_version(server, client, model_name):
     assert len(models) == 1 and models[0].id == model_name
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
+
+
+def test_retrieve_model(server, client, model_name):
+    """GET /v1/models/{id}, OpenAI's client.models.retrieve, is the entry of /v1/models; it was a 404 "no route"."""
+    listed = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert httpx.get(f"{server.url}/v1/models/{model_name}").json() == listed
+    assert client.models.retrieve(model_name).model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    r = httpx.get(server.url + "/v1/models/gpt-4")
+    assert r.status_code == 404
+    assert r.json()["error"] == {"message": f"the model 'gpt-4' does not exist; this server serves {model_name!r}",
+                                 "type": "not_found_error", "param": "model", "code": "model_not_found"}
+
+
+def test_retrieve_a_model_whose_name_is_a_path():
+    """A served name from --model is often a path: OpenAI's client sends its / as %2F, other clients as is."""
+    server = Server("--max-model-len", "1024", "--served-model-name", "org/tiny-chat")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert client.models.retrieve("org/tiny-chat").id == "org/tiny-chat"
+        assert httpx.get(server.url + "/v1/models/org/tiny-chat").json()["id"] == "org/tiny-chat"
+        assert httpx.get(server.url + "/v1/models/org").status_code == 404
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("path, status", [("/health", 200), ("/v1/models", 200), ("/v1/models/{model}", 200),
+                                          ("/v1/models/gpt-4", 404), ("/version", 200), ("/", 200)])
+def test_head_answers_as_get_without_the_body(server, model_name, path, status):
+    """Load balancers and uptime checks probe with HEAD, which FastAPI answered with 405 on every GET route."""
+    url = server.url + path.format(model=model_name)
+    get, head = httpx.get(url), httpx.head(url)
+    assert head.status_code == get.status_code == status
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+
+
+def test_head_on_a_post_route_is_405(server):
+    r = httpx.head(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_developer_message_is_a_system_message(server, client, model_name):
+    """OpenAI's newer name for system reaches the chat template as system: SmolLM2's template rendered developer as
+    a turn of its own, after its default system prompt."""
+    system = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    developer = [{"role": "developer", "content": "Be brief."}, *MESSAGES]
+
+    def tokens(messages: list[dict[str, str]]) -> list[int]:
+        return httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+
+    assert tokens(developer) == tokens(system)
+    r = client.chat.completions.create(model=model_name, messages=developer, max_completion_tokens=1)
+    assert r.usage.prompt_tokens == len(tokens(system))
 
 
 def test_chat_non_streaming_exact_usage(server, client, model_name):

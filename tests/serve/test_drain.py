@@ -34,6 +34,7 @@ def test_sigterm_drains_in_flight_requests():
         r = httpx.post(server.url + CHAT, json={"messages": [{"role": "user", "content": "x"}]}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
         assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+        assert httpx.head(server.url + "/health", timeout=30).status_code == 503
         t.join(120)
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 24

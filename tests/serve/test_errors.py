@@ -198,6 +198,23 @@ def test_unknown_model_and_path_are_404(server, client):
     assert_error(httpx.get(server.url + CHAT), 405)
 
 
+@pytest.mark.parametrize("path, body", [(CHAT, {"messages": OK_MESSAGES, "max_tokens": 1}),
+                                        ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                                        ("/tokenize", {"prompt": "hi"})])
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_body_not_sent_as_json_names_its_content_type(server, path, body, content_type):
+    """`curl -d` sends JSON as a form: the 400 names the Content-Type and the one expected; it said only "must be
+    a JSON object". The same body without a Content-Type is read as JSON."""
+    body = json.dumps(body)
+    r = httpx.post(server.url + path, content=body, headers={"content-type": content_type}, timeout=60)
+    err = assert_error(r, 400, None, f"got Content-Type: {content_type}")
+    assert "application/json" in err["message"] and err["code"] == "invalid_body", err
+    r = httpx.post(server.url + path, content=body, timeout=60)
+    assert "content-type" not in r.request.headers and r.status_code == 200, r.text
+    err = assert_error(post(server, path, "[1, 2]"), 400, None, "must be a JSON object")
+    assert "Content-Type" not in err["message"]
+
+
 def test_openai_client_raises_bad_request(client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=[], max_tokens=4)

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Union
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag
@@ -69,6 +70,16 @@ def _event_stream(chunk: type) -> dict[int | str, dict[str, Any]]:
         "contentSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}}}}}
 
 
+def _answer_head(app: FastAPI) -> None:
+    """HEAD on each GET route, as Starlette gives its own routes and FastAPI does not (it answers 405): load
+    balancers and uptime checks probe with HEAD. The same endpoint runs, so the status is GET's; uvicorn sends the
+    headers without the body. The twins stay out of the schema, where they would repeat each GET operation."""
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], response_class=route.response_class,
+                              include_in_schema=False)
+
+
 def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecutor | None = None) -> FastAPI:
     """executor: the engine thread the engine was built on (async_engine.engine_thread)."""
     metrics = ServerMetrics(config.model_name)
@@ -114,10 +125,18 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
         """Text completion of one prompt or a batch; `stream: true` answers with server-sent events."""
         return await serving.completion(body, request)
 
+    card = ModelCard(id=config.model_name, created=started, root=config.model_root, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, tags=["openai"], responses=_errors(401))
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=config.model_name, created=started, root=config.model_root,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[card])
+
+    # :path, since a served name from --model is often a path ("org/name"; OpenAI's client sends its / as %2F)
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"], responses=_errors(401, 404))
+    async def retrieve_model(model_id: str) -> ModelCard:
+        """The served model's entry of /v1/models."""
+        serving.check_model(model_id)
+        return card
 
     @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"], responses=_errors(400, 404, 413))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -189,4 +208,5 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    _answer_head(app)
     return app

@@ -56,8 +56,9 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_error_response(exc: RequestValidationError) -> JSONResponse:
-    """Pydantic's errors as one readable 400: the first problem of each field, at most three."""
+def validation_error_response(exc: RequestValidationError, content_type: str | None) -> JSONResponse:
+    """Pydantic's errors as one readable 400: the first problem of each field, at most three. content_type: the
+    request's Content-Type header."""
     messages: dict[str | None, str] = {}
     for e in exc.errors():
         loc = tuple(e.get("loc", ()))
@@ -67,6 +68,9 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         param = _param(loc)
         if param is None and e.get("type") == "missing":
             return error_response(400, "the request needs a JSON body", code="missing_body")
+        if param is None and isinstance(exc.body, bytes):  # FastAPI parses JSON only under a JSON Content-Type
+            return error_response(400, f"the request body must be JSON, sent with Content-Type: application/json; "
+                                       f"got Content-Type: {content_type}", code="invalid_body")
         if param is None:
             return error_response(400, "the request body must be a JSON object", code="invalid_body")
         messages.setdefault(param, f"{param}: {e['msg']}" if param else e["msg"])
@@ -80,8 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error_response(exc)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_response(exc, request.headers.get("content-type"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -253,8 +253,11 @@ class OpenAIServing:
 
     # ---- chat completions -------------------------------------------------------------------
     async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in messages]
+        """A developer message is a system message, as OpenAI treats it (its newer name for system): most chat
+        templates know system only, and SmolLM2's rendered developer as a turn of its own after its default system
+        prompt."""
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                         **({"name": m.name} if m.name else {})} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
         except Exception as e:
