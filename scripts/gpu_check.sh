@@ -3,7 +3,8 @@
 # shape with random weights: bf16, INT8, INT4; transformers' generate in the same run). One section per step, a
 # summary last. SECTIONS picks what runs, in that order (default: tests profile bench): tests (GPU tests), profile
 # (where a decode step's time goes, verify-step cost), bench (kernel, quantization and engine benchmarks), tp
-# (2 GPUs: TP=2 against TP=1, batch-1 speed at TP=1 and 2). SKIP lists step names to leave out
+# (2 GPUs: TP=2 against TP=1, batch-1 speed at TP=1 and 2), fp8 (FP8 weights: their tests, kernel timings, batch 1,
+# a batch-256 step and the offline workload against bf16 weights in the same run). SKIP lists step names to leave out
 # ("quant tests,kernel bench"). A step stops after STEP_TIMEOUT s.
 # Installs nothing but the wheels found in .whl/ (the GPU machine has no registry access).
 #   OUT_DIR=bench_results scripts/gpu_check.sh
@@ -79,7 +80,7 @@ bench() {
     step "kernel bench" "$PY" -m tokenmill.kernels.bench_kernels --out "$OUT_DIR/kernels.json"
     step "gemv bench" "$PY" -m tokenmill.kernels.bench_gemv --out "$OUT_DIR/gemv.json"  # --tune: ~4 min
     step "quant bench" "$PY" -m tokenmill.quant.bench --m 2 16 64 2048 --tune --out "$OUT_DIR/quant_kernels.json"
-    for q in none int8 int4; do
+    for q in none int8 int4 fp8; do
         step "latency $q" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
             $([ $q = none ] || echo --quantization $q) --sweep async_scheduling=false,true \
             $([ $q = none ] || echo quantize_lm_head=false,true) --out "$OUT_DIR/latency_$q.json"
@@ -96,10 +97,28 @@ bench() {
         --sweep max_num_batched_tokens=8192 async_scheduling=true kv_cache_dtype=auto,fp8 \
         --out "$OUT_DIR/throughput.json"
 }
+fp8() {
+    step "fp8 tests" "$PY" -m pytest tests/kernels/test_triton_fp8_linear.py tests/quant/test_triton_quant.py -q \
+        -k "fp8 or matmul" -rf
+    step "fp8 engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -q -k "graph" -rf
+    step "fp8 gemv bench" "$PY" -m tokenmill.kernels.bench_gemv --matrices qkv o gate_up down --tune fp8 \
+        --out "$OUT_DIR/gemv_fp8.json"
+    step "fp8 quant bench" "$PY" -m tokenmill.quant.bench --m 1 2 16 64 256 2048 8192 --out "$OUT_DIR/quant_fp8.json"
+    step "latency fp8" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
+        --async-scheduling --quantization fp8 --sweep quantize_lm_head=false,true --out "$OUT_DIR/latency_fp8.json"
+    for q in none fp8; do  # TOKENMILL_PDL=0: a kernel's time does not include its wait for the one before
+        step "profile $q w" env TOKENMILL_PDL=0 "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" \
+            $([ $q = none ] || echo --quantization $q) --kv-cache-dtype fp8 --async-scheduling \
+            --max-num-batched-tokens 32768 --input-len 800 --batch-sizes 64 256 --out "$OUT_DIR/profile_w$q.json"
+    done
+    step "throughput fp8" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
+        --sweep max_num_batched_tokens=8192 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
+        --out "$OUT_DIR/throughput_fp8.json"
+}
 for section in $SECTIONS; do
     case $section in
-        tests|profile|tp|bench) "$section" ;;
-        *) echo "unknown section '$section' (tests profile tp bench)"; exit 2 ;;
+        tests|profile|tp|bench|fp8) "$section" ;;
+        *) echo "unknown section '$section' (tests profile tp bench fp8)"; exit 2 ;;
     esac
 done
 

@@ -28,11 +28,13 @@ def test_llama3_8b_by_hand():
     assert weight_bytes(c, "int4") == 32 * (linear // 2 + 4 * scales + 2 * 2 * 4096) + 2 * (2 * 128256 * 4096 + 4096)
     int8_scales = 4096 + 1024 + 1024 + 4096 + 2 * 14336 + 4096
     assert weight_bytes(c, "int8") == 32 * (linear + 2 * int8_scales + 2 * 2 * 4096) + 2 * (2 * 128256 * 4096 + 4096)
+    # fp8: a byte a weight and a float32 scale a row
+    assert weight_bytes(c, "fp8") == 32 * (linear + 4 * int8_scales + 2 * 2 * 4096) + 2 * (2 * 128256 * 4096 + 4096)
     # the LM head quantized: packed at half a byte with a scale and a min per 128 inputs; the embedding stays bf16
     head_int4 = 128256 * 4096 // 2 + 4 * 128256 * 32
     assert (weight_bytes(c, "int4", quantize_lm_head=True)
             == weight_bytes(c, "int4") - 2 * 128256 * 4096 + head_int4)
-    with pytest.raises(ValueError, match="needs an int8 or int4"):
+    with pytest.raises(ValueError, match="needs an int8, fp8 or int4"):
         weight_bytes(c, "bf16", quantize_lm_head=True)
     # tp 2: every linear, embedding and head halved, norms replicated; 4 KV heads per rank
     assert weight_bytes(c, "bf16", tp=2) == 32 * (linear + 2 * 2 * 4096) + 2 * 128256 * 4096 + 2 * 4096

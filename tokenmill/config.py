@@ -28,7 +28,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def parse_draft(speculative: str) -> tuple[str, str | None]:
     """'draft:<model>[@<quantization>]' -> (model, quantization); <model> 'self' is the target's checkpoint.
-    The quantization is one tokenmill can apply at load: 'gguf' (a GGUF's own blocks) or an int8 / int4 name."""
+    The quantization is one tokenmill can apply at load: 'gguf' (a GGUF's own blocks) or an int8 / int4 / fp8 name."""
     body = speculative[len("draft:"):]
     model, at, quant = body.partition("@")
     if not model or (at and not quant):

@@ -17,7 +17,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.quant.formats import QuantFormat
 
 # bytes per element
-WEIGHT_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+WEIGHT_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5}
 KV_DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 KV_SCALE_BYTES = 4          # one float32 scale per (token, KV head) for each of K and V in an int8 cache
 WORKSPACE_BYTES = 1 << 30   # CUDA context, cuBLAS/Triton workspaces, CUDA graph pools
@@ -89,16 +89,16 @@ def _layer_params(config: ModelConfig, tp: int) -> int:
 
 def weight_bytes(config: ModelConfig, weight_dtype: str, tp: int = 1, group_size: int = 128,
                  quantize_lm_head: bool = False) -> int:
-    """One rank's weight bytes. int8 / int4 count what QuantLinear holds: packed values (INT4 rows padded to
-    32 inputs), an fp16 scale per output channel (int8) or a scale and a min per group (int4); with
+    """One rank's weight bytes. int8 / fp8 / int4 count what QuantLinear holds: packed values (INT4 rows padded
+    to 32 inputs), a scale per output channel (int8: fp16, fp8: float32) or a scale and a min per group (int4); with
     quantize_lm_head the LM head too (its own packed copy where tied; the embedding stays 16-bit)."""
     act = WEIGHT_DTYPES[compute_dtype(weight_dtype)]
     shapes = linear_shapes(config, tp)
     linear = sum(o * i for o, i in shapes)
-    quantized = weight_dtype in ("int8", "int4")
-    if quantize_lm_head and not quantized:
-        raise ValueError(f"--quantize-lm-head needs an int8 or int4 weight dtype, got {weight_dtype!r}")
-    fmt = (QuantFormat(8) if weight_dtype == "int8" else QuantFormat(4, group_size)) if quantized else None
+    formats = {"int8": QuantFormat(8), "fp8": QuantFormat(8, fp8=True), "int4": QuantFormat(4, group_size)}
+    fmt = formats.get(weight_dtype)
+    if quantize_lm_head and fmt is None:
+        raise ValueError(f"--quantize-lm-head needs an int8, fp8 or int4 weight dtype, got {weight_dtype!r}")
     linear_bytes = sum(fmt.nbytes(o, i) for o, i in shapes) if fmt else linear * WEIGHT_DTYPES[weight_dtype]
     other = _layer_params(config, tp) - linear           # norms, biases: compute dtype
     vocab_rows = math.ceil(config.vocab_size / tp)
@@ -232,7 +232,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="maximum running requests (default 256)")
     p.add_argument("--group-size", type=int, default=128, help="int4 quantization group size (default 128)")
-    p.add_argument("--quantize-lm-head", action="store_true", help="int8 / int4: the LM head quantized too")
+    p.add_argument("--quantize-lm-head", action="store_true", help="int8 / fp8 / int4: the LM head quantized too")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 

@@ -86,12 +86,31 @@ def test_async_graphs_beyond_the_logits_buckets(model_dir):
 
 # int4: decode batches of 2..8 run the tensor-core kernel; with the LM head quantized it writes float32 logits
 @pytest.mark.parametrize("quant", [{}, dict(quantization="int4"), dict(quantization="int4", quantize_lm_head=True),
-                                   dict(quantization="int8", quantize_lm_head=True)], ids=str)
+                                   dict(quantization="int8", quantize_lm_head=True), dict(quantization="fp8"),
+                                   dict(quantization="fp8", quantize_lm_head=True)], ids=str)
 def test_cuda_graph_used_for_decode_and_matches_eager(model_dir, quant):
     eager = tokens(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8, **quant)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=8, **quant)
     assert llm.llm_engine.runner.graphs is not None and 8 in llm.llm_engine.runner.graphs.graphs
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    del llm
+    release()
+    assert graphed == eager
+
+
+def test_fp8_graphs_beyond_16_rows_match_eager(model_dir):
+    """FP8 decode batches past 16 rows run cuBLAS's FP8 GEMM inside the graphs (the tile kernel below): graphs
+    give eager's tokens."""
+    prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(24)]
+    kw = dict(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=32,
+              quantization="fp8")
+    eager_llm = LLM(enforce_eager=True, **kw)
+    eager = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, GREEDY)]
+    del eager_llm
+    release()
+    llm = LLM(**kw)
+    assert max(llm.llm_engine.runner.graphs.buckets) > 16
+    graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     del llm
     release()
     assert graphed == eager

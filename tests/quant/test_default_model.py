@@ -48,6 +48,13 @@ def test_int8_weights(setup) -> None:
     assert c.kl_mean < 0.01 and c.top1_agreement > 0.9 and abs(c.ppl_change) < 0.02
 
 
+def test_fp8_weights_and_activations(setup) -> None:
+    """FP8 (e4m3 weights, activations per token) loses more than INT8 on this small model: 0.031 mean KL and
+    +1.9% perplexity measured (docs/QUANTIZATION.md); a wrong scale or layout costs whole units."""
+    c = _kl(setup, "fp8")
+    assert c.kl_mean < 0.06 and c.top1_agreement > 0.8 and abs(c.ppl_change) < 0.05
+
+
 @pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.int8])
 def test_kv_cache(setup, kv: torch.dtype) -> None:
     c = _kl(setup, kv=kv)

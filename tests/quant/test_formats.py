@@ -95,13 +95,50 @@ def test_parse_and_sizes() -> None:
     assert QuantFormat.parse("int8") == QuantFormat(8, None)
     assert QuantFormat.parse("int4") == QuantFormat(4, 128)
     assert QuantFormat.parse("int4", 32) == QuantFormat.parse("int4-g32") == QuantFormat(4, 32)
-    for bad in ("int3", "fp8", "int4-g48"):
+    assert QuantFormat.parse("fp8") == QuantFormat(8, None, fp8=True) and QuantFormat.parse("fp8").name == "fp8"
+    for bad in ("int3", "fp4", "int4-g48", "fp8-g32"):
         with pytest.raises(ValueError):
             QuantFormat.parse(bad)
     with pytest.raises(ValueError):
         QuantFormat.parse("int4-g32", 64)
     assert QuantFormat(8, None).nbytes(10, 100) == 10 * 100 + 10 * 2
     assert QuantFormat(4, 32).nbytes(10, 100) == 10 * 64 + 10 * 4 * 4   # 100 -> 128 padded, 4 groups of (s, m)
+    assert QuantFormat(8, fp8=True).nbytes(10, 100) == 10 * 100 + 10 * 4  # a float32 scale a row
+    with pytest.raises(ValueError, match="group size"):
+        QuantFormat.parse("fp8", 32)
+    with pytest.raises(ValueError, match="FP8"):
+        QuantFormat(8, 32, fp8=True)
+
+
+def _fp8_bound_ok(w: torch.Tensor) -> None:
+    """e4m3 keeps 3 mantissa bits: |error| <= |w| / 16 for normal values, half a subnormal step (s / 1024) below
+    them; each row's largest |w| maps to 448 and comes back exactly (float32 rounding aside)."""
+    qw = quantize(w, QuantFormat.parse("fp8"))
+    assert qw.qweight.dtype == torch.float8_e4m3fn and qw.scales.dtype == torch.float32
+    assert qw.scales.shape == (w.shape[0], 1)
+    w = w.float()
+    s = qw.scales.float()
+    err = (qw.dequantize() - w).abs()
+    assert bool((err <= torch.maximum(w.abs() / 16, s / 1024) * (1 + 1e-5) + 1e-12).all())
+    amax = w.abs().amax(-1)
+    assert torch.allclose(qw.dequantize().abs().amax(-1), amax, rtol=1e-6)
+    assert bool((qw.qweight.float().abs().amax(-1)[amax > 0] == 448).all())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 31), (17, 100), (64, 576), (5, 1000)])
+def test_fp8_round_trip_random(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen) * 1e-3
+    _fp8_bound_ok(w)
+
+
+def test_fp8_round_trip_real_weights_and_zero_rows(real_weights: list[torch.Tensor]) -> None:
+    for w in real_weights:
+        _fp8_bound_ok(w)
+    w = torch.zeros(3, 40)
+    w[1] = 0.25
+    out = quantize(w, QuantFormat.parse("fp8")).dequantize()
+    assert torch.equal(out, w)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1])

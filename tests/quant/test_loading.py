@@ -44,7 +44,7 @@ def test_quantization_errors(tiny_model_dir: str, default_model_path: str) -> No
         load_model(config, tiny_model_dir, quantization="int5")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4-g32"])
+@pytest.mark.parametrize("method", ["int8", "int4-g32", "fp8"])
 def test_quantize_at_load_equals_quantizing_after(tiny_model_dir: str, method: str) -> None:
     config = load_model_config(tiny_model_dir)
     at_load = load_model(config, tiny_model_dir, quantization=method, fold_norms=True)  # quantized: nothing folds
@@ -85,7 +85,7 @@ def test_quantize_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("method", ["int8", "int4-g32"])
+@pytest.mark.parametrize("method", ["int8", "int4-g32", "fp8"])
 def test_quantized_lm_head(tiny_model_dir: str, tmp_path, method: str, tied: bool) -> None:
     """quantize_lm_head: the head becomes a QuantLMHead (a tied one a quantized copy of the embedding, which
     stays float), loading equals quantizing the float model's head afterwards, and the logits are what the
@@ -111,7 +111,7 @@ def test_quantized_lm_head(tiny_model_dir: str, tmp_path, method: str, tied: boo
     assert torch.allclose(logits, quant_linear(hidden, head.weight, head.weight_scale, head.weight_min,
                                                config.hidden_size, head.group, None), atol=1e-4)
     exact = hidden @ float_head.T  # the rounding error stays within the format's: ~0.9% (INT8), ~12% (INT4)
-    assert (logits - exact).norm() / exact.norm() < (0.02 if fmt.bits == 8 else 0.15)
+    assert (logits - exact).norm() / exact.norm() < {"int8": 0.02, "fp8": 0.06}.get(method, 0.15)
     dummy = load_model(config, None, "dummy", quantization=method, quantize_lm_head=True)
     dummy_after = load_model(config, None, "dummy")
     quantize_model(dummy_after, dict.fromkeys(quantizable_modules(dummy_after, lm_head=True), fmt))
@@ -197,3 +197,28 @@ def test_draft_quantized_at_load_takes_the_heads_setting(tiny_model_dir: str) ->
                           speculative="draft:self@int4")
         draft = load_draft(args, tiny_model_dir, CPU, torch.float32)
         assert isinstance(draft.model.lm_head, QuantLMHead) == lm_head
+
+
+def test_fp8_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
+    """`tokenmill quantize --method fp8` writes e4m3 weights with float32 scales and a quantization_config that
+    loads back to the model quantized at load (its float tensors in float16); GPTQ is refused for fp8."""
+    from tokenmill.quant.quantize import resolve_calibration
+    fmt = QuantFormat.parse("fp8")
+    out = quantize_checkpoint(tiny_model_dir, fmt, str(tmp_path / "q"), calibration="auto", dtype="float32",
+                              device="cpu")
+    with open(os.path.join(out, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    assert qc["method"] == "fp8" and qc["group_size"] is None
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.float32
+    config = load_model_config(tiny_model_dir)
+    got = load_model(load_model_config(out), out)
+    assert all(isinstance(m, QuantLinear) and m.fmt == fmt for m in linear_modules(got).values())
+    want = load_model(config, tiny_model_dir, quantization="fp8")
+    for p in want.parameters():   # what the folder holds: the unquantized tensors in float16
+        if p.dtype == torch.float32:
+            p.data = p.data.half().float()
+    assert torch.allclose(_logprobs(got), _logprobs(want), atol=1e-5)
+    with pytest.raises(ValueError, match="gptq"):
+        resolve_calibration("gptq", fmt)

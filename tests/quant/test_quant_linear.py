@@ -66,3 +66,60 @@ def test_to_quant_linear_keeps_device_dtype_and_bias() -> None:
     assert isinstance(q, QuantMergedLinear) and q.output_sizes == [8, 24] and q.bias.dtype == torch.bfloat16
     x = torch.randn(3, 40, dtype=torch.bfloat16)
     assert torch.allclose(q(x).float(), lin(x).float(), rtol=0.05, atol=0.1)
+
+
+def test_fp8_rows_quantized_per_token() -> None:
+    """Each row gets its own scale max|row| / 448 (its largest value becomes +-448), a zero row stays zeros with
+    scale 0, and a row's e4m3 values do not depend on the other rows (a token's result on the batch)."""
+    from tokenmill.kernels.quant_ref import quantize_fp8_rows
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 300, generator=gen) * torch.tensor([1e-3, 1.0, 0.0, 50.0, 1e4])[:, None]
+    q, s = quantize_fp8_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (5,)
+    assert torch.equal(s, x.abs().amax(-1) / 448)
+    assert torch.equal(q[2].float(), torch.zeros(300)) and s[2] == 0
+    assert bool((q.float().abs().amax(-1)[[0, 1, 3, 4]] == 448).all())
+    for i in range(5):
+        qi, si = quantize_fp8_rows(x[i:i + 1])
+        assert torch.equal(qi.view(torch.uint8), q[i:i + 1].view(torch.uint8)) and torch.equal(si, s[i:i + 1])
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 70, 100), (7, 33, 576), (64, 130, 1000)])
+def test_fp8_twin_is_the_product_of_the_quantized_operands(m: int, n: int, k: int) -> None:
+    """FP8 quantizes x per row too: the twin equals, to float32 summation, the float64 product of both e4m3
+    operands scaled back, and stays within e4m3's rounding of the exact product."""
+    from tokenmill.kernels.quant_ref import quantize_fp8_rows
+    f = QuantFormat.parse("fp8")
+    gen = torch.Generator().manual_seed(m * n + k)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    b, r = torch.randn(n, generator=gen), torch.randn(m, n, generator=gen)
+    qw = quantize(w, f)
+    xq, xs = quantize_fp8_rows(x)
+    want = (xq.double() * xs.double()[:, None]) @ qw.dequantize(torch.float64).T + b.double() + r.double()
+    got = quant_linear(x, qw.qweight, qw.scales, None, k, k, b, residual=r)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    exact = x.double() @ w.double().T + b.double() + r.double()
+    assert (got.double() - exact).norm() <= 0.1 * (exact.norm() + 1e-9)
+    assert quant_linear(x.to(torch.bfloat16), qw.qweight, qw.scales, None, k, k, None).dtype == torch.bfloat16
+
+
+def test_fp8_layer_shards_and_forward() -> None:
+    """A merged FP8 layer holds e4m3 weights with float32 scales a row; loading float or packed shards gives the
+    stacked matrix's quantization, and forward is the twin's (CPU kernels are for integer formats only)."""
+    f = QuantFormat.parse("fp8")
+    sizes, k = [48, 16, 16], 96
+    ws = [torch.randn(s, k) * 0.02 for s in sizes]
+    a = QuantMergedLinear(k, sizes, False, f, "cpu", torch.bfloat16)
+    b = QuantMergedLinear(k, sizes, False, f, "cpu", torch.bfloat16)
+    for i, w in enumerate(ws):
+        a.load_shard("weight", w, i)
+        b.load_shard("weight", quantize(w, f), i)
+    whole = quantize(torch.cat(ws), f)
+    for layer in (a, b):
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+        assert torch.equal(layer.weight.view(torch.uint8), whole.qweight.view(torch.uint8))
+        assert torch.equal(layer.weight_scale, whole.scales)
+    x = torch.randn(5, k, dtype=torch.bfloat16)
+    assert torch.equal(a(x), quant_linear(x, whole.qweight, whole.scales, None, k, k, None))
+    with pytest.raises(ValueError, match="expects fp8"):
+        a.load_shard("weight", quantize(ws[0], QuantFormat.parse("int8")), 0)

@@ -35,8 +35,8 @@ _HELP = {
     "enforce_eager": "disable CUDA graphs",
     "async_scheduling": "overlap each step's host work with the previous step on the GPU (tokens fed from the "
                         "device; off with speculation, tensor parallelism, penalties or logprobs)",
-    "quantization": "weight quantization: int8 | int4",
-    "quantize_lm_head": "with --quantization int8 | int4: quantize the LM head too (off, as in vLLM: a quantized "
+    "quantization": "weight quantization: int8 | int4 | fp8 (e4m3 weights and per-token activations)",
+    "quantize_lm_head": "with --quantization int8 | int4 | fp8: quantize the LM head too (off, as in vLLM: a quantized "
                         "checkpoint or GGUF file says itself)",
     "kv_cache_dtype": "auto | fp8 | int8",
     "speculative": "speculative decoding: ngram | draft:<model>[@<quantization>] (<model> 'self': the target)",

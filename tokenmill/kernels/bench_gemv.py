@@ -1,6 +1,6 @@
 """GPU timings of batch-1 decode matmuls on Llama-3-8B's four projections: cuBLAS (F.linear) beside the Triton
-GEMV (triton_gemv.py) in bf16, and the quantized GEMV beside the 16-row tile kernel (triton_quant.py) in INT8
-and INT4 g128; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at
+GEMV (triton_gemv.py) in bf16, and the quantized GEMV beside the 16-row tile kernel (triton_quant.py) in INT8,
+INT4 g128 and FP8; for INT4 also the tensor-core decode kernel (triton_int4_mma.py), at one row and at
 four, and the ceiling: a kernel that only reads the packed bytes, 64 bytes of a row at a time as the INT4
 kernels do. Each timed call reads a different copy of the weights, so the figures are HBM speed, as in
 decode (where 31 other layers pass through the 50 MB L2 between two uses of a matrix), not L2 speed.
@@ -25,6 +25,7 @@ from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
 from tokenmill.kernels.triton_gemv import (
     DENSE,
     DEQUANT_MODES,
+    FP8,
     INT4,
     INT8,
     INT8_BITS_CFG,
@@ -42,7 +43,7 @@ LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "
 LAYER = ("qkv", "o", "gate_up", "down")  # a decoder layer's matrices: the tuning objective is their total time
 Timings = dict[tuple[int, GemvConfig], dict[str, float]]  # (kind, config) -> matrix -> ms
 ROTATE_BYTES = 512 << 20
-KINDS = {"bf16": DENSE, "int8": INT8, "int4": INT4}
+KINDS = {"bf16": DENSE, "int8": INT8, "int4": INT4, "fp8": FP8}
 
 
 def _copies(nbytes: int) -> int:
@@ -128,10 +129,11 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
     del ws, dense_args
     if name not in LAYER:
         return rows
-    for fmt_name, kind in (("int8", INT8), ("int4-g128", INT4)):
+    for fmt_name, kind in (("int8", INT8), ("int4-g128", INT4), ("fp8", FP8)):
         fmt = QuantFormat.parse(fmt_name)
         qw = quantize(w0, fmt)
-        moved = (qw.qweight.numel() + qw.scales.numel() * 2 + (0 if qw.mins is None else qw.mins.numel() * 2))
+        moved = (qw.qweight.numel() + qw.scales.numel() * qw.scales.element_size()
+                 + (0 if qw.mins is None else qw.mins.numel() * 2))
         copies = [qw] + [dataclasses.replace(qw, qweight=qw.qweight.clone(), scales=qw.scales.clone(),
                                              mins=None if qw.mins is None else qw.mins.clone())
                          for _ in range(_copies(moved) - 1)]
@@ -139,6 +141,8 @@ def bench(name: str, n: int, k: int, tune: set[int], dequant: str | None, timing
         tile = pick_config(1, n, k, x.device)
         row(f"{fmt_name} tile", time_rotating(lambda *a, tile=tile: quant_linear(*a, tile), qargs), moved)
         row(f"{fmt_name} gemv", time_rotating(quant_gemv, qargs), moved, default_config(kind, n, k=k))
+        if kind == FP8:  # what the engine runs at one row: x quantized (one more launch), then the GEMV
+            row(f"{fmt_name} linear", time_rotating(quant_linear, qargs), moved)
         if kind == INT4:  # the tensor-core kernel at one row, and against the tile kernel at four
             mma_cfg = (triton_int4_mma.default_config(1, n, k, triton_int4_mma.has_tma(qw.qweight))
                        or triton_int4_mma.MMA_CFG)
@@ -210,7 +214,7 @@ def main() -> None:
         print(f"{r['matrix']:<8} {r['shape']:<11} {r['kernel']:<24} {r['us']:>7.1f} {r['pct_of_hbm']:>5.0f}  "
               f"{r['config']}")
     overall = []
-    for kind, label in ((DENSE, "bf16"), (INT8, "int8"), (INT4, "int4-g128")):
+    for kind, label in ((DENSE, "bf16"), (INT8, "int8"), (INT4, "int4-g128"), (FP8, "fp8")):
         found = best_overall(timings, kind)
         if found:
             total, cfg = found

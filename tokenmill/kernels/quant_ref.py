@@ -12,17 +12,40 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant.formats import dequantize
+from tokenmill.quant.formats import FP8_MAX, dequantize
 
-FP8_MAX = 448.0
 KV_SCALE_BYTES = 4
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M]): each row scaled by max|row| / 448 (a zero row keeps
+    scale 0 and zeros), every division IEEE, as the Triton kernel does."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # by a tensor: CUDA divides by a scalar through its reciprocal
+    q = (xf / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x @ W.T in float32 with x quantized row by row to e4m3 and W e4m3 with a scale a row: the products of
+    e4m3 values are exact in float32, so this is what FP8 tensor cores compute, up to the order of the sums."""
+    lead = x.shape[:-1]
+    xq, xs = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
+    y = (xq.float() @ qweight.float().T) * xs[:, None] * scales.float().view(1, -1)
+    return y.view(*lead, -1)
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None, *,
                  residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W.T + bias (+ residual) for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight, in out_dtype
-    (default x's)."""
+    (default x's); an FP8 weight (float8_e4m3fn) quantizes x too (fp8_linear)."""
+    if qweight.dtype == torch.float8_e4m3fn:
+        y = fp8_linear(x, qweight, scales)
+        y = y if bias is None else y + bias.float()
+        y = y if residual is None else y + residual.float()
+        return y.to(out_dtype or x.dtype)
     y = F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
     y = y if residual is None else y + residual
     return y if out_dtype is None else y.to(out_dtype)

@@ -1,5 +1,6 @@
-"""Batch-1 decode matmul in Triton: y = x @ W.T + b for a single row x, W float (bf16, fp16, fp32) or packed
-INT8 / INT4 (tokenmill/quant/formats.py). Decode at batch 1 reads every weight once per token, so this is the
+"""Batch-1 decode matmul in Triton: y = x @ W.T + b for a single row x, W float (bf16, fp16, fp32), packed
+INT8 / INT4, or FP8 e4m3 (tokenmill/quant/formats.py; FP8's x arrives quantized and scaled back to float32 by
+triton_fp8_linear.quantize_rows). Decode at batch 1 reads every weight once per token, so this is the
 kernel that bounds batch-1 speed. Its store also adds a residual (the o and down projections), casts (float32
 logits), and, for float weights with an RMS norm's weight folded in, normalizes: x's sum of squares is taken in
 the main loop and the outputs are scaled by rsqrt(mean + eps) (torch_ref.linear).
@@ -43,7 +44,7 @@ import triton.language as tl
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
-DENSE, INT8, INT4 = 0, 1, 2
+DENSE, INT8, INT4, FP8 = 0, 1, 2, 3
 DEQUANT_MODES = ("cvt", "bits", "prmt", "unit")
 
 
@@ -95,6 +96,12 @@ INT4_DEEP_CFG = GemvConfig(128, 128, num_warps=4, dequant="unit", programs_per_s
 WIDE_N = 16384
 # float32 activations keep full precision: "unit" would round each product to ~17 bits.
 INT4_FP32_CFG = GemvConfig(64, 256, num_warps=4, dequant="prmt", programs_per_sm=4)
+# FP8: e4m3 -> float32 is one conversion a pair to fp16 and one a weight to float32 ("cvt"). Tiles searched on the
+# H200 (`bench_gemv --tune fp8`, 2026-12-02): qkv 8.6 us, o 7.2 (6.5 with 1/SM n8 k1024), gate/up 33.1 (83% of
+# copy), down 17.4 (79%), against 10.4 / 6.7 / 36.9 / 17.5 with n8 k1024 2/SM for all four.
+FP8_CFG = GemvConfig(16, 512, num_warps=8, dequant="cvt", programs_per_sm=2)
+FP8_WIDE_CFG = GemvConfig(16, 256, num_warps=4, dequant="cvt", programs_per_sm=1)
+FP8_DEEP_CFG = GemvConfig(8, 1024, num_warps=4, dequant="cvt", programs_per_sm=2)
 INT8_FP32_WIDE_CFG = GemvConfig(16, 512, num_warps=8, dequant="bits", programs_per_sm=4)
 
 
@@ -338,7 +345,8 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups,
                  k_per_split, stride_wn, stride_sn, eps,
-                 INT4: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                 INT4: tl.constexpr, INT8: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                 PER_CHANNEL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr,
                  BITS: tl.constexpr, PDL: tl.constexpr):
@@ -386,7 +394,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // SUB):
                 kk = k0 + j * SUB + offs_k
-                w = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
+                if FP8:
+                    w = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0.0)
+                else:
+                    w = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
                 if INT8:
                     w = _int8_to_float(w, BITS)
                     if not PER_CHANNEL:
@@ -420,10 +431,10 @@ def default_config(kind: int, n: int = 0, *, k: int = 0, dtype: torch.dtype = to
     if kind == INT8 and dtype == torch.float32:
         return INT8_FP32_WIDE_CFG if n >= WIDE_N else INT8_BITS_CFG
     if n >= WIDE_N:
-        return (DENSE_WIDE_CFG, INT8_WIDE_CFG, INT4_WIDE_CFG)[kind]
+        return (DENSE_WIDE_CFG, INT8_WIDE_CFG, INT4_WIDE_CFG, FP8_WIDE_CFG)[kind]
     if k >= 2 * n > 0:
-        return (DENSE_DEEP_CFG, INT8_DEEP_CFG, INT4_DEEP_CFG)[kind]
-    return (DENSE_CFG, INT8_CFG, INT4_CFG)[kind]
+        return (DENSE_DEEP_CFG, INT8_DEEP_CFG, INT4_DEEP_CFG, FP8_DEEP_CFG)[kind]
+    return (DENSE_CFG, INT8_CFG, INT4_CFG, FP8_CFG)[kind]
 
 
 def _splits(cfg: GemvConfig, n: int, k: int, device: torch.device) -> int:
@@ -471,7 +482,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     part_size = split * n + (grid[0] * split if rms_eps is not None else 0)
     part = torch.empty(part_size, dtype=torch.float32, device=x.device) if split > 1 else out
     counter = counters(x.device, grid[0]) if split > 1 else out
-    per_channel = kind == INT8 and group >= k
+    per_channel = kind in (INT8, FP8) and group >= k
     group_k = 0 if per_channel or kind == DENSE else group
     s = w if scales is None else scales
     pdl = pdl_args(x)
@@ -489,7 +500,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     else:
         _gemv_kernel[grid](x1, w, s, m, b, r, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
                            s.stride(0), 0.0 if rms_eps is None else rms_eps,
-                           INT4=kind == INT4, INT8=kind == INT8, GROUP=group_k, PER_CHANNEL=per_channel,
+                           INT4=kind == INT4, INT8=kind == INT8, FP8=kind == FP8, GROUP=group_k,
+                           PER_CHANNEL=per_channel,
                            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=rms_eps is not None,
                            SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            SUB=sub, PRMT=kind == INT4 and cfg.dequant == "prmt",
@@ -514,7 +526,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
                in_features: int, group: int, bias: torch.Tensor | None,
                config: GemvConfig | None = None, *, residual: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """quant_linear (triton_quant.py) for x holding one row."""
-    kind = INT4 if qweight.dtype == torch.uint8 else INT8
+    """quant_linear (triton_quant.py) for x holding one row (FP8: x already quantized and scaled back)."""
+    kind = {torch.uint8: INT4, torch.float8_e4m3fn: FP8}.get(qweight.dtype, INT8)
     return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config,
                    residual=residual, out_dtype=out_dtype)

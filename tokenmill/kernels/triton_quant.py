@@ -3,7 +3,9 @@ INT4 (tokenmill/quant/formats.py), dequantized tile by tile in registers; no deq
 in memory.
 
 INT4 with bf16 x of 2 to 16 rows (and one row of a wide or deep matrix) goes to the tensor-core decode kernel of
-triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. Otherwise one kernel, two tile shapes.
+triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. FP8 (e4m3 weights) quantizes x row by
+row first (triton_fp8_linear.py) and runs more than 16 rows of bf16 output on cuBLAS's FP8 GEMM. Otherwise one
+kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.
 Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the split that
 finishes last adds the fp32 partial sums in split order (triton_arrive.py), so results are deterministic.
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import triton_int4_mma
+from tokenmill.kernels import triton_fp8_linear, triton_int4_mma
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     group_param,
@@ -77,10 +79,10 @@ def _nibble_to_float(nib, DTYPE: tl.constexpr, BIT_TRICK: tl.constexpr):
 
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr,
+def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr,
                          M, N, K, n_groups, k_per_split,
                          stride_xm, stride_wn, stride_sn, stride_om, stride_split,
-                         INT4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                         INT4: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                          PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -95,7 +97,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
-    dt = x_ptr.dtype.element_ty
+    dt = tl.float16 if FP8 else x_ptr.dtype.element_ty  # e4m3 values are exact in fp16 (one cvt a pair on sm_90)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
@@ -123,16 +125,21 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // SUB):
                 kk = k0 + j * SUB + offs_k
-                q = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
+                if FP8:
+                    q = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0.0)
+                else:
+                    q = tl.load(w_rows + kk[None, :], mask=n_mask & (kk < K)[None, :], other=0)
                 if PER_CHANNEL:
                     w = q.to(dt)  # |q| <= 127 is exact in every float type; the scale is applied at the end
                 else:
                     scale = group_param(s_ptr, s_off, n_mask, k0 + j * SUB, n_groups, GROUP)
                     w = (q.to(tl.float32) * scale).to(dt)
-                x = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
+                x = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0).to(dt)
                 acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if PER_CHANNEL:
             acc = acc * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        if FP8:  # x's row scales
+            acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
     out_mask = m_mask & (offs_n < N)[None, :]
     out_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SPLIT:  # the split that finishes last adds the partial sums in split order (triton_arrive.py)
@@ -176,8 +183,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     """x [..., in_features] @ W.T + bias (+ residual) in out_dtype (default x's), W packed INT8 (int8 qweight) or
     INT4 (uint8); same as quant_ref. Without a config, INT4 with bf16 x of up to 16 rows goes to the tensor-core
     decode kernel (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile
-    kernel runs the rest (and whatever M is when a config is given)."""
-    int4 = qweight.dtype == torch.uint8
+    kernel runs the rest (and whatever M is when a config is given). FP8 (float8_e4m3fn qweight) quantizes x too:
+    cuBLAS's FP8 GEMM beyond 16 rows of bf16 output, the tile kernel otherwise."""
+    int4, fp8 = qweight.dtype == torch.uint8, qweight.dtype == torch.float8_e4m3fn
     if config is None and int4 and triton_int4_mma.supports(x, qweight, group, in_features):
         mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features,
                                                  triton_int4_mma.has_tma(qweight))
@@ -185,17 +193,28 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
             return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
                                                  residual=residual, out_dtype=out_dtype)
     if config is None and x.numel() == in_features:
+        if fp8:  # x quantized and scaled back to float32 for the GEMV, which scales by W's row scales
+            xd, _ = triton_fp8_linear.quantize_rows(x.reshape(1, in_features), dequantize=True)
+            return quant_gemv(xd, qweight, scales, None, in_features, group, bias, residual=residual,
+                              out_dtype=out_dtype or x.dtype).view(*x.shape[:-1], qweight.shape[0])
         return quant_gemv(x, qweight, scales, mins, in_features, group, bias, residual=residual, out_dtype=out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n, k = x2.shape[0], qweight.shape[0], in_features
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
     if m == 0:
-        return out.view(*lead, n)
+        return torch.empty(*lead, n, dtype=out_dtype, device=x.device)
     if residual is not None:
         residual = residual.reshape(m, n).contiguous()
+    x_scales = None
+    if fp8:
+        x2, x_scales = triton_fp8_linear.quantize_rows(x2)
+        if config is None and triton_fp8_linear.use_scaled_mm(m, n, k, out_dtype, x.device):
+            y = triton_fp8_linear.scaled_mm(x2, x_scales, qweight, scales, bias)
+            return (y if residual is None else y.add_(residual)).view(*lead, n)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     per_channel = not int4 and group >= k
     cfg = config or pick_config(m, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
@@ -204,11 +223,11 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     counter = counters(x.device, grid[0] * grid[1]) if splits > 1 else out
     _quant_matmul_kernel[grid](
-        x2, qweight, scales, scales if mins is None else mins, out if bias is None else bias,
-        out if residual is None else residual, out, part, counter,
+        x2, out if x_scales is None else x_scales, qweight, scales, scales if mins is None else mins,
+        out if bias is None else bias, out if residual is None else residual, out, part, counter,
         m, n, k, scales.shape[1], k_per_split,
         x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
-        INT4=int4, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
+        INT4=int4, FP8=fp8, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB=sub_tile(0 if per_channel else group, cfg.block_k), BIT_DEQUANT=cfg.bit_dequant and int4,

@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            if isinstance(tensor, torch.Tensor) and (not tensor.is_floating_point() or tensor.element_size() < 2):
                 raise ValueError(f"tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; a "
                                  "weight must be floating point (float32, float16 or bfloat16), or packed by "
                                  "`tokenmill quantize` with its quantization_config in config.json")

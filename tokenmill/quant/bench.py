@@ -1,6 +1,7 @@
 """GPU timings of the quantized-weight matmuls against bf16 F.linear on the same shape: bandwidth for decode
 (M <= 16: bytes of packed weight + scales + mins read, the number that decode speed follows) and TFLOP/s for
-prefill-sized M, always the tile kernel. The default shape is Llama-3-8B's down projection (4096 x 14336). In
+prefill-sized M, always the tile kernel (FP8: its own dispatch, cuBLAS's FP8 GEMM beyond 16 rows, activation
+quantization included). The default shape is Llama-3-8B's down projection (4096 x 14336). In
 the engine one row goes to the GEMV instead (kernels/triton_gemv.py, timed on every decode matrix by
 `python -m tokenmill.kernels.bench_gemv`).
 
@@ -20,7 +21,7 @@ from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
 from tokenmill.kernels.triton_quant import SKINNY_M, MatmulConfig, pick_config, quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
-FORMATS = ("int4-g128", "int4-g32", "int8")
+FORMATS = ("int4-g128", "int4-g32", "int8", "fp8")
 
 
 def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune: bool = False) -> list[dict]:
@@ -34,12 +35,13 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune
     for name in formats:
         fmt = QuantFormat.parse(name)
         qw = quantize(w, fmt)
-        moved = (qw.qweight.numel() + qw.scales.numel() * 2 + (0 if qw.mins is None else qw.mins.numel() * 2)
-                 + x.numel() * 2 + m * n * 2)
+        moved = (qw.qweight.numel() + qw.scales.numel() * qw.scales.element_size()
+                 + (0 if qw.mins is None else qw.mins.numel() * 2) + x.numel() * 2 + m * n * 2)
         args = (x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None)
         tile = pick_config(m, n, k, x.device)  # given explicitly: one row would otherwise go to the GEMV
-        ms = median_ms(lambda args=args, tile=tile: quant_linear(*args, tile))
-        rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, describe(tile)))
+        dispatched = fmt.fp8 and m > SKINNY_M  # FP8's own dispatch: cuBLAS beyond 16 rows
+        ms = median_ms(lambda args=args, tile=None if dispatched else tile: quant_linear(*args, tile))
+        rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, "cuBLAS FP8" if dispatched else describe(tile)))
         if tune:
             best_ms, best = best_config(args, m, n, k)
             rows.append(_row(f"{name} best", n, k, m, best_ms, moved, flops, bf16_ms, describe(best)))

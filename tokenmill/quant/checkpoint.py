@@ -91,7 +91,7 @@ def save_quantized(model: nn.Module, config: ModelConfig, fmt: QuantFormat, skip
               metadata={"format": "pt", IN_FEATURES_KEY: json.dumps(in_features)})
     hf = config.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-    hf["quantization_config"] = {"quant_method": QUANT_METHOD, "method": f"int{fmt.bits}",
+    hf["quantization_config"] = {"quant_method": QUANT_METHOD, "method": "fp8" if fmt.fp8 else f"int{fmt.bits}",
                                  "group_size": fmt.group_size, "modules_to_not_convert": sorted(skip),
                                  LM_HEAD: isinstance(model.get_submodule(LM_HEAD), QuantLinear)}
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:

@@ -14,11 +14,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the bundled SmolLM2 GGUF)")
     p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=None, choices=GROUP_SIZES,
-                   help="inputs per scale: int4 default 128; int8 default one scale per output channel")
+                   help="inputs per scale: int4 default 128; int8 default one scale per output channel (fp8: always)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
     p.add_argument("--calibration", default="auto", choices=CALIBRATIONS,
                    help="gptq: calibrated on pydoc_data (slow, best); rtn: plain rounding; auto: gptq for int4, "
-                        "rtn for int8 (default: %(default)s)")
+                        "rtn for int8 and fp8 (default: %(default)s)")
     p.add_argument("--calibration-tokens", type=int, default=4096, help="GPTQ calibration tokens (default: %(default)s)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the LM head too (a tied one as a quantized copy of the embedding)")
@@ -27,7 +27,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     q = subparsers.add_parser("quantize", help="write a weight-quantized copy of a model (loadable folder)")
     _common(q)
-    q.add_argument("--method", required=True, choices=("int8", "int4"), help="weight format")
+    q.add_argument("--method", required=True, choices=("int8", "int4", "fp8"),
+                   help="weight format (fp8: e4m3 weights, activations quantized per token at run time)")
     q.add_argument("--out", required=True, help="output folder")
     q.add_argument("--skip", action="append", default=[], metavar="MODULE",
                    help="keep this projection in 16-bit, e.g. model.layers.0.mlp.down_proj (repeatable)")
@@ -37,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     e = subparsers.add_parser("quant-eval", help="KL / top-1 / perplexity of a quantized model vs the original")
     _common(e)
-    e.add_argument("--method", default="int8", help="int8 | int4 | none (KV cache only) (default: %(default)s)")
+    e.add_argument("--method", default="int8", help="int8 | int4 | fp8 | none (KV cache only) (default: %(default)s)")
     e.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache of the quantized run")
     e.add_argument("--dtype", default="auto", help="compute dtype (default: float32 on CPU, bf16 on CUDA)")
     e.add_argument("--num-tokens", type=int, default=1024, help="corpus tokens (default: %(default)s)")

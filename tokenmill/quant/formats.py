@@ -1,4 +1,4 @@
-"""Weight-only quantization formats: what a quantized matrix holds and how it maps back to floats.
+"""Quantization formats: what a quantized matrix holds and how it maps back to floats.
 
 INT8: symmetric, w = q * s, q in [-127, 127] int8 [N, K]; one fp16 scale per output row ("per channel",
 group_size = K) or per group of 32/64/128 inputs (GGUF Q8_0 is INT8 with group 32).
@@ -12,7 +12,13 @@ nibble and input b*32 + j + 16 in its high nibble. qweight is uint8 [N, ceil(K/3
 
 Scales and mins are fp16 [N, ceil(K / group_size)]; the last group of a row may be partial.
 
-Rounding to nearest (quantize()): INT8 takes s = max|w| / 127. INT4 fits each group's (s, m) by least
+FP8 (vLLM's "fp8"): w = q * s, q float8_e4m3fn [N, K], one float32 scale per output row, s = max|w| / 448.
+Unlike the integer formats it also quantizes the activations: each row (token) of x becomes e4m3 with its own
+scale, so the product runs on FP8 tensor cores (twice bf16's rate on Hopper); a scale per token, not per batch,
+keeps a token's result independent of the tokens batched with it. float32 scales: a row's max|w| / 448 of
+small weights is below fp16's normal range.
+
+Rounding to nearest (quantize()): INT8 takes s = max|w| / 127, FP8 s = max|w| / 448. INT4 fits each group's (s, m) by least
 squares over a few candidate grids around min-max (llama.cpp's make_qkx2_quants), so it may clip an outlier
 a little: |error| <= s / 2 inside the grid, and a group's squared error never exceeds min-max rounding's.
 GPTQ (gptq.py) fills the same formats with better values.
@@ -29,15 +35,21 @@ PACK_BLOCK = 32                     # INT4 inputs per packing block (16 bytes)
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 128
 _METHOD_RE = re.compile(r"(int8|int4)(?:-g(\d+))?")
+FP8 = "fp8"
+FP8_MAX = 448.0                     # the largest finite float8_e4m3fn
 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """bits 8 or 4; group_size None means one group per row (INT8 only)."""
+    """bits 8 or 4; group_size None means one group per row (INT8 and FP8). fp8: e4m3 weights and activations
+    instead of integer weights."""
     bits: int
     group_size: int | None = None
+    fp8: bool = False
 
     def __post_init__(self) -> None:
+        if self.fp8 and (self.bits != 8 or self.group_size is not None):
+            raise ValueError("FP8 is 8 bits with one scale per output row (no group size)")
         if self.bits not in (4, 8):
             raise ValueError(f"quantization bits must be 4 or 8, got {self.bits}")
         if self.group_size is None and self.bits == 4:
@@ -47,11 +59,15 @@ class QuantFormat:
 
     @classmethod
     def parse(cls, method: str, group_size: int | None = None) -> QuantFormat:
-        """'int8' (per channel), 'int4' (group 128), or 'int8-g32' / 'int4-g64' style names."""
+        """'int8' (per channel), 'int4' (group 128), 'int8-g32' / 'int4-g64' style names, or 'fp8'."""
+        if method == FP8:
+            if group_size is not None:
+                raise ValueError(f"fp8 has one scale per output row; group size {group_size} does not apply")
+            return cls(8, None, fp8=True)
         m = _METHOD_RE.fullmatch(method)
         if m is None:
             raise ValueError(f"quantization method {method!r} is not supported; allowed: int8, int4, "
-                             f"int8-g<N>, int4-g<N> with N in {GROUP_SIZES}")
+                             f"int8-g<N>, int4-g<N> with N in {GROUP_SIZES}, fp8")
         if m.group(2) is not None:
             if group_size is not None and group_size != int(m.group(2)):
                 raise ValueError(f"method {method!r} conflicts with group size {group_size}")
@@ -63,6 +79,8 @@ class QuantFormat:
 
     @property
     def name(self) -> str:
+        if self.fp8:
+            return FP8
         base = f"int{self.bits}"
         return base if self.group_size is None else f"{base}-g{self.group_size}"
 
@@ -80,7 +98,13 @@ class QuantFormat:
 
     @property
     def qweight_dtype(self) -> torch.dtype:
+        if self.fp8:
+            return torch.float8_e4m3fn
         return torch.int8 if self.bits == 8 else torch.uint8
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float32 if self.fp8 else torch.float16
 
     @property
     def has_min(self) -> bool:
@@ -89,7 +113,7 @@ class QuantFormat:
     def nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes of the packed weight with its scales (and mins)."""
         rows, cols = self.qweight_shape(out_features, in_features)
-        meta = out_features * self.num_groups(in_features) * 2 * (2 if self.has_min else 1)
+        meta = out_features * self.num_groups(in_features) * self.scale_dtype.itemsize * (2 if self.has_min else 1)
         return rows * cols + meta
 
 
@@ -132,6 +156,12 @@ def quantize(w: torch.Tensor, fmt: QuantFormat, importance: torch.Tensor | None 
     an error on a large input costs more)."""
     n, k = w.shape
     group = fmt.group(k)
+    if fmt.fp8:
+        amax = w.float().abs().amax(-1)
+        scales = amax / torch.full_like(amax, FP8_MAX)  # a true division on every device (CUDA's by a scalar is not)
+        s = scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return QuantizedWeight(fmt, q, scales.unsqueeze(-1), None, k)
     g = _grouped(w.float(), group)
     if fmt.bits == 8:
         scales = (g.abs().amax(-1) / 127).to(torch.float16)
@@ -192,6 +222,8 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, in_features: int,
                group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """float [N, in_features]; computed in float32 as q * s (+ m), as GGML does."""
+    if qweight.dtype == torch.float8_e4m3fn:
+        return (qweight.float() * scales.float()).to(dtype)
     q = unpack_int4(qweight, in_features) if qweight.dtype == torch.uint8 else qweight
     n = q.shape[0]
     w = F.pad(q, (0, -in_features % group)).view(n, -1, group).float() * scales.float().unsqueeze(-1)

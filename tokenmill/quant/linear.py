@@ -59,7 +59,7 @@ class QuantLinear(Linear):
         self.weight = nn.Parameter(torch.zeros(fmt.qweight_shape(out_features, in_features),
                                                dtype=fmt.qweight_dtype, device=device), requires_grad=False)
         meta = (out_features, fmt.num_groups(in_features))
-        self.register_buffer("weight_scale", torch.zeros(meta, dtype=torch.float16, device=device))
+        self.register_buffer("weight_scale", torch.zeros(meta, dtype=fmt.scale_dtype, device=device))
         self.register_buffer("weight_min", torch.zeros(meta, dtype=torch.float16, device=device)
                              if fmt.has_min else None)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -102,7 +102,7 @@ class QuantLinear(Linear):
         return sharding.columns(qw, *self.col_range)
 
     def _store(self, qw: QuantizedWeight, start: int, size: int) -> None:
-        if qw.fmt.bits != self.fmt.bits or qw.fmt.group(qw.in_features) != self.group:
+        if (qw.fmt.bits, qw.fmt.fp8) != (self.fmt.bits, self.fmt.fp8) or qw.fmt.group(qw.in_features) != self.group:
             raise ValueError(f"checkpoint weight is {qw.fmt.name}, the layer expects {self.fmt.name}")
         if (qw.out_features, qw.in_features) != (size, self.in_features):
             raise ValueError(f"shape mismatch for weight: checkpoint {(qw.out_features, qw.in_features)}, "
@@ -133,7 +133,8 @@ class QuantLinear(Linear):
         packed = self._cpu_packed
         if packed is not None and packed.dtype is x.dtype and x.is_cpu:
             return packed
-        if not x.is_cpu or not supports(self.fmt.bits, self.group, self.in_features, self.out_features, x.dtype):
+        if not x.is_cpu or self.fmt.fp8 or not supports(self.fmt.bits, self.group, self.in_features,
+                                                         self.out_features, x.dtype):
             return None
         self._cpu_packed = prepack(self.weight.data, self.weight_scale, self.weight_min, self.in_features, self.group,
                                    x.dtype)

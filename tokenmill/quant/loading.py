@@ -2,8 +2,8 @@
 weights arrive, and feed them float tensors (quantized on arrival) or packed ones (GGUF blocks, our own
 quantized checkpoints, never through float).
 
-`quantization` values: None (a checkpoint's own quantization_config, else nothing), "int8" / "int4" and
-"int8-g32" / "int4-g64" style names (quantize the float weights), "gguf" (a GGUF's Q8_0 / Q4_0 / Q4_1
+`quantization` values: None (a checkpoint's own quantization_config, else nothing), "int8" / "int4",
+"int8-g32" / "int4-g64" style names and "fp8" (quantize the float weights), "gguf" (a GGUF's Q8_0 / Q4_0 / Q4_1
 tensors as they are, the LM head's `output` included; its other tensors in float).
 
 The LM head is quantized with the projections on request only (`quantize_lm_head`, like vLLM, which keeps it in
@@ -61,7 +61,7 @@ def resolve_quantization(quantization: str | None, model_path: str | None, load_
     qc = checkpoint_quant_config(model_path) if load_format in ("auto", "safetensors") else None
     if quantize_lm_head and (qc is not None or quantization in (None, GGUF_NATIVE)):
         raise ValueError("quantize_lm_head quantizes the LM head with weights quantized at load "
-                         "(quantization='int8' / 'int4'); a quantized checkpoint or GGUF file (quantization='gguf') "
+                         "(quantization='int8' / 'int4' / 'fp8'); a quantized checkpoint or GGUF file (quantization='gguf') "
                          "keeps its LM head as stored")
     if qc is not None:
         if qc.get("quant_method") != QUANT_METHOD:

@@ -10,7 +10,7 @@ from torch import nn
 from tokenmill.config import parse_dtype
 from tokenmill.quant.checkpoint import save_quantized
 from tokenmill.quant.formats import QuantFormat, QuantizedWeight, quantize
-from tokenmill.quant.linear import to_quant_linear
+from tokenmill.quant.linear import QuantLinear, to_quant_linear
 from tokenmill.quant.loading import LM_HEAD, linear_modules, quantizable_modules, replace_module
 from tokenmill.tokenizer import Tokenizer
 
@@ -19,9 +19,12 @@ CALIBRATION_WINDOW = 256
 
 
 def resolve_calibration(calibration: str, fmt: QuantFormat) -> str:
-    """'auto' is GPTQ for INT4 (plain rounding loses too much at 4 bits) and round-to-nearest for INT8."""
+    """'auto' is GPTQ for INT4 (plain rounding loses too much at 4 bits) and round-to-nearest for INT8 and FP8
+    (GPTQ's error feedback is written for integer grids)."""
     if calibration not in CALIBRATIONS:
         raise ValueError(f"calibration {calibration!r} is not supported; allowed: {', '.join(CALIBRATIONS)}")
+    if fmt.fp8 and calibration == "gptq":
+        raise ValueError("calibration 'gptq' is for int8 / int4; fp8 weights are rounded to nearest ('rtn')")
     return ("gptq" if fmt.bits == 4 else "rtn") if calibration == "auto" else calibration
 
 
@@ -32,7 +35,7 @@ def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, token
     weight on its own (min/scale fitted per group); 'gptq' also uses the layer inputs on the calibration corpus
     (slower, far better INT4)."""
     names = [name for name in quantizable_modules(model, lm_head) if name not in skip]
-    packed = next((n for n in names if not model.get_submodule(n).weight.is_floating_point()), None)
+    packed = next((n for n in names if isinstance(model.get_submodule(n), QuantLinear)), None)
     if packed is not None:
         raise ValueError(f"{packed} is already quantized ({model.get_submodule(packed).weight.dtype}): quantize the "
                          "original float model, not a quantized one")
