@@ -58,7 +58,7 @@ def test_linear_matches_twin(m: int, n: int, k: int, dtype: torch.dtype) -> None
 def test_float32_logits_and_paths(m: int) -> None:
     """A quantized LM head's float32 output runs the tile kernel at every M; bf16 output beyond 16 rows takes
     cuBLAS's FP8 GEMM on this GPU (the path the engine's big batches use)."""
-    n, k = 1000, 576
+    n, k = 1024, 576
     gen = torch.Generator(device="cuda").manual_seed(m)
     qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, FP8)
     x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
