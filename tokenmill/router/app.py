@@ -1,5 +1,6 @@
 """The router's FastAPI app: generation and tokenizer requests are routed to a backend and proxied; /v1/models,
-/health and /metrics answer for the router itself. The app owns the backends' health polls."""
+/v1/models/{id}, /health and /metrics answer for the router itself (HEAD too). The app owns the backends' health
+polls."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill import __version__
@@ -18,7 +20,7 @@ from tokenmill.router.backend import Backend
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Router, route_info
 from tokenmill.router.proxy import Unreachable, forward, unavailable
-from tokenmill.serve.errors import install_error_handlers
+from tokenmill.serve.errors import error_response, install_error_handlers
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
 
@@ -31,6 +33,16 @@ class RouterConfig:
     affinity_slack: float = 4.0        # load units
     poll_interval: float = 0.5         # seconds
     health_timeout: float = 2.0        # seconds; also the connect timeout of proxied requests
+
+
+def _answer_head(app: FastAPI) -> None:
+    """HEAD on each GET route, as the server answers it (FastAPI alone answers 405): load balancers and uptime
+    checks probe with HEAD. The same endpoint runs, so the status is GET's; uvicorn sends the headers without the
+    body. The server's helper is not imported: its module brings the engine and torch into the router."""
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], response_class=route.response_class,
+                              include_in_schema=False)
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -79,9 +91,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     for path in ROUTED_PATHS:
         app.add_api_route(path, route, methods=["POST"], tags=["routed"])
 
-    @app.get("/v1/models", tags=["openai"])
-    async def list_models(request: Request) -> Response:
-        """The models of the healthy backends, each once; the client's credentials go to the backends."""
+    async def backend_models(request: Request) -> dict[str, Any] | Response:
+        """The models of the healthy backends by id, each once (the first backend's entry), or the answer to give
+        instead; the client's credentials go to the backends."""
         auth = {k: v for k, v in request.headers.items() if k == "authorization"}
         healthy = [b for b in router.backends if b.healthy]
         answers = await asyncio.gather(*(client.get(b.url + "/v1/models", headers=auth,
@@ -98,7 +110,29 @@ def build_app(config: RouterConfig) -> FastAPI:
             if r.status_code == 200:
                 for m in r.json().get("data", []):
                     models.setdefault(m["id"], m)
+        return models
+
+    @app.get("/v1/models", tags=["openai"])
+    async def list_models(request: Request) -> Response:
+        """The models of the healthy backends, each once."""
+        models = await backend_models(request)
+        if isinstance(models, Response):
+            return models
         return JSONResponse({"object": "list", "data": list(models.values())})
+
+    # :path, as the server's: a served name is often a path ("org/name"; OpenAI's client sends its / as %2F)
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def retrieve_model(model_id: str, request: Request) -> Response:
+        """The model's entry of /v1/models, so that client.models.retrieve agrees with client.models.list; an id
+        no healthy backend serves is the server's 404."""
+        models = await backend_models(request)
+        if isinstance(models, Response):
+            return models
+        if model_id not in models:
+            served = ", ".join(repr(m) for m in models)
+            return error_response(404, f"the model {model_id!r} does not exist; the healthy backends serve {served}",
+                                  "model", "model_not_found")
+        return JSONResponse(models[model_id])
 
     @app.get("/health", tags=["server"])
     async def health() -> Response:
@@ -111,4 +145,5 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    _answer_head(app)
     return app

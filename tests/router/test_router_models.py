@@ -1,0 +1,65 @@
+"""The router's own GET routes as the server has them: /v1/models/{id} (client.models.retrieve) answered from the
+healthy backends' models, an id none serves being the server's 404, and HEAD answered as GET without the body. The
+router runs over a session backend and a server serving another model under a name that is a path."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from router_helpers import SERVER_ARGS, Proc, start_router
+
+NAMED = "org/tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def named():
+    server = Proc("serve", *SERVER_ARGS, "--served-model-name", NAMED).wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(backends, named):
+    r = start_router("--backend", backends[0].url, "--backend", named.url)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_retrieve_a_model_through_the_router(router, client, model_name, named):
+    """Each model is its entry of the router's list, whichever backend serves it; it was a 404 "no route". A name
+    that is a path works as OpenAI's client sends it (/ as %2F) and as sent raw."""
+    listed = {m.id: m.model_dump() for m in client.models.list().data}
+    assert sorted(listed) == sorted([model_name, NAMED])
+    for model in listed:
+        assert client.models.retrieve(model).model_dump() == listed[model]
+    assert httpx.get(f"{router.url}/v1/models/{NAMED}").json() == httpx.get(f"{named.url}/v1/models/{NAMED}").json()
+
+
+def test_a_model_no_backend_serves_is_the_servers_404(router, client, model_name, backends):
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    r = httpx.get(router.url + "/v1/models/gpt-4")
+    served = f"{model_name!r}, {NAMED!r}"  # in the order of the router's --backend options
+    own = httpx.get(backends[0].url + "/v1/models/gpt-4")
+    assert r.status_code == own.status_code == 404
+    assert r.json()["error"] == {**own.json()["error"],
+                                 "message": f"the model 'gpt-4' does not exist; the healthy backends serve {served}"}
+    assert httpx.get(router.url + "/v1/models/org").status_code == 404  # a path's first part is no model
+
+
+@pytest.mark.parametrize("path, status", [("/health", 200), ("/v1/models", 200), ("/v1/models/{model}", 200),
+                                          ("/v1/models/gpt-4", 404), ("/metrics", 200)])
+def test_head_answers_as_get_without_the_body(router, model_name, path, status):
+    """Load balancers and uptime checks probe with HEAD, which the router answered with 405 on every GET route."""
+    url = router.url + path.format(model=model_name)
+    get, head = httpx.get(url), httpx.head(url)
+    assert head.status_code == get.status_code == status
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    if path != "/metrics":  # its values may move between the two requests
+        assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
