@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill import __version__
@@ -21,6 +20,7 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Router, route_info
 from tokenmill.router.proxy import Unreachable, forward, unavailable
 from tokenmill.serve.errors import error_response, install_error_handlers
+from tokenmill.serve.middleware import answer_head
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
 
@@ -33,16 +33,6 @@ class RouterConfig:
     affinity_slack: float = 4.0        # load units
     poll_interval: float = 0.5         # seconds
     health_timeout: float = 2.0        # seconds; also the connect timeout of proxied requests
-
-
-def _answer_head(app: FastAPI) -> None:
-    """HEAD on each GET route, as the server answers it (FastAPI alone answers 405): load balancers and uptime
-    checks probe with HEAD. The same endpoint runs, so the status is GET's; uvicorn sends the headers without the
-    body. The server's helper is not imported: its module brings the engine and torch into the router."""
-    for route in list(app.routes):
-        if isinstance(route, APIRoute) and "GET" in route.methods:
-            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], response_class=route.response_class,
-                              include_in_schema=False)
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -145,5 +135,5 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    _answer_head(app)
+    answer_head(app)
     return app

@@ -15,7 +15,6 @@ from typing import Annotated, Any, Union
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, Response
-from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag
@@ -26,7 +25,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.serve.dashboard import Dashboard
 from tokenmill.serve.errors import APIError, error_response, install_error_handlers
 from tokenmill.serve.metrics import ServerMetrics
-from tokenmill.serve.middleware import GatewayMiddleware
+from tokenmill.serve.middleware import GatewayMiddleware, answer_head
 from tokenmill.serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                       ErrorResponse, HealthResponse, ModelCard, ModelList, TokenizeChatRequest,
@@ -68,16 +67,6 @@ def _event_stream(chunk: type) -> dict[int | str, dict[str, Any]]:
     return {200: {"content": {"text/event-stream": {"schema": {
         "type": "string", "description": f"`data: <{chunk.__name__} JSON>` events, then `data: [DONE]`",
         "contentSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}}}}}
-
-
-def _answer_head(app: FastAPI) -> None:
-    """HEAD on each GET route, as Starlette gives its own routes and FastAPI does not (it answers 405): load
-    balancers and uptime checks probe with HEAD. The same endpoint runs, so the status is GET's; uvicorn sends the
-    headers without the body. The twins stay out of the schema, where they would repeat each GET operation."""
-    for route in list(app.routes):
-        if isinstance(route, APIRoute) and "GET" in route.methods:
-            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], response_class=route.response_class,
-                              include_in_schema=False)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecutor | None = None) -> FastAPI:
@@ -208,5 +197,5 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    _answer_head(app)
+    answer_head(app)
     return app

@@ -1,10 +1,13 @@
 """The gateway in front of the routes, as plain ASGI (so streaming and disconnects pass through untouched):
-the bearer-token check on /v1/ and the request-size limit."""
+the bearer-token check on /v1/ and the request-size limit; and HEAD on every GET route (answer_head), for the
+server and the router alike."""
 from __future__ import annotations
 
 import hmac
 import json
 
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.serve.errors import error_body
@@ -66,3 +69,13 @@ class GatewayMiddleware:
     async def _too_large(self, send: Send) -> None:
         await _send_error(send, 413, f"the request body exceeds the limit of {self.max_body_bytes} bytes "
                                      "(--max-request-bytes)", "request_too_large")
+
+
+def answer_head(app: FastAPI) -> None:
+    """HEAD on each GET route, as Starlette gives its own routes and FastAPI does not (it answers 405): load
+    balancers and uptime checks probe with HEAD. The same endpoint runs, so the status is GET's; uvicorn sends the
+    headers without the body. The twins stay out of the schema, where they would repeat each GET operation."""
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], response_class=route.response_class,
+                              include_in_schema=False)
