@@ -53,6 +53,10 @@ class QuantLinear(Linear):
         if col_range is not None:
             sharding.check_row_parallel(fmt, in_features * tp_size(), tp_size())
         device = torch.device(device)
+        if fmt.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            name = torch.cuda.get_device_name(device)
+            raise ValueError(f"quantization 'fp8' needs FP8 support, a GPU of compute capability 8.9 or newer "
+                             f"(Ada, Hopper); {name} has {torch.cuda.get_device_capability(device)}: use int8 or int4")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.row_start, self.col_range = row_start, col_range
         self.group = fmt.group(in_features)
