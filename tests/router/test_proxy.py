@@ -47,3 +47,33 @@ def test_request_goes_through_as_it_came_and_a_compressed_answer_arrives_decoded
     assert upstream.url.query == b"a=1&a=2&b=x%20y"
     assert upstream.headers.get_list("x-dup") == ["one", "two"]
     assert upstream.headers["accept-encoding"] == "identity"
+
+
+def test_headers_the_connection_header_names_stop_at_the_router() -> None:
+    """A header named in Connection belongs to one hop (RFC 9110, 7.6.1): the router passes it on neither to the
+    backend nor back to the client; the others go through."""
+    seen: list[httpx.Request] = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=b"{}", headers={"content-type": "application/json",
+                                                           "connection": "X-Hop-Answer", "x-hop-answer": "1",
+                                                           "x-kept": "2"})
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"connection", b"keep-alive, X-Hop"), (b"x-hop", b"secret"), (b"x-end", b"yes"),
+                         (b"content-type", b"application/json")]}
+
+    async def receive() -> dict:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def run() -> dict:
+        b = Backend("http://backend", "short")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(backend)) as client:
+            response = await forward(client, b, Request(scope, receive), b"{}", RouterMetrics([b]))
+        return dict(response.headers)
+
+    headers = asyncio.run(run())
+    assert "x-hop" not in seen[0].headers and seen[0].headers["x-end"] == "yes"
+    assert "x-hop-answer" not in headers and headers["x-kept"] == "2"

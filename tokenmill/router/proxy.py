@@ -29,6 +29,13 @@ _REQUEST_DROP = frozenset({"host", "content-length", "connection", "keep-alive",
 _RESPONSE_DROP = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
 
 
+def _passed_on(headers: list[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    """Headers a proxy forwards: none of the per-connection ones, nor any that the Connection header names as
+    such (RFC 9110, 7.6.1: they describe the hop they came over)."""
+    named = {token.strip().lower() for k, v in headers if k == "connection" for token in v.split(",")}
+    return [(k, v) for k, v in headers if k not in drop and k not in named]
+
+
 class Unreachable(Exception):
     """The backend refused the connection: nothing was sent, so another backend may take the request."""
 
@@ -165,7 +172,7 @@ async def forward(client: httpx.AsyncClient, backend: Backend, request: Request,
     owned = True
     try:
         # repeated headers and query keys go through as they came (a dict would keep the last one)
-        headers = [(k, v) for k, v in request.headers.items() if k not in _REQUEST_DROP]
+        headers = _passed_on(request.headers.items(), _REQUEST_DROP)
         headers.append(("accept-encoding", "identity"))
         query = f"?{request.url.query}" if request.url.query else ""
         upstream_request = client.build_request(request.method, backend.url + request.url.path + query, content=body,
@@ -176,7 +183,7 @@ async def forward(client: httpx.AsyncClient, backend: Backend, request: Request,
             backend.set_unavailable()
             metrics.failed(backend, "connect")
             raise Unreachable(f"{type(e).__name__}: {e}") from e
-        answer = {k: v for k, v in exchange.upstream.headers.items() if k not in _RESPONSE_DROP}
+        answer = dict(_passed_on(exchange.upstream.headers.items(), _RESPONSE_DROP))
         answer[BACKEND_HEADER] = backend.url
         if exchange.upstream.headers.get("content-type", "").startswith("text/event-stream"):
             exchange.watch.forget_client()
