@@ -218,7 +218,7 @@ def format_plan(p: Plan, config: ModelConfig) -> str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from tokenmill.engine.arg_utils import parse_bytes
+    from tokenmill.units import parse_bytes
     p = subparsers.add_parser("plan", help="capacity planner: weights, KV bytes per token, KV capacity, fit")
     p.add_argument("--model", default=None, help="HF folder, .gguf file or preset name (default: the default model)")
     p.add_argument("--memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device (default 80GiB)")

@@ -137,3 +137,17 @@ def test_a_client_that_goes_away_aborts_its_backend_request(router, model_name, 
     assert wait_until(lambda: sum(metric(b.url, "tokenmill:request_abort_total", reason="client_disconnect")
                                   for b in backends) == aborted + 1)
     assert wait_until(lambda: metric(router.url, "tokenmill:router_in_flight") == 0)
+
+
+def test_a_body_over_the_limit_is_refused_by_the_router(backends, model_name):
+    """The router reads a body whole before routing it, so it has its own limit: a larger body gets the server's
+    413 without reaching a backend (it had none: any size was read into memory), and the router goes on."""
+    r = start_router("--backend", backends[0].url, "--max-request-bytes", "2KiB")
+    try:
+        messages = [{"role": "user", "content": "x" * 4096}]
+        big = httpx.post(r.url + "/v1/chat/completions", json={"model": model_name, "messages": messages})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        assert "2048 bytes" in big.json()["error"]["message"]
+        assert ask(client_for(r.url), model_name, [{"role": "user", "content": "Hi"}])[0] == backends[0].url
+    finally:
+        r.stop()

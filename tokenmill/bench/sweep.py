@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from tokenmill.bench.common import build_engine, release_memory
 from tokenmill.config import EngineArgs
-from tokenmill.engine.arg_utils import parse_bytes
+from tokenmill.units import parse_bytes
 from tokenmill.engine.llm_engine import LLMEngine
 
 SWEEP_HELP = ("grid search over engine options, one row per combination: e.g. --sweep block_size=16,32 "

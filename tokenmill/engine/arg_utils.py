@@ -6,6 +6,7 @@ import dataclasses
 import typing
 
 from tokenmill.config import EngineArgs
+from tokenmill.units import parse_bytes
 
 _HELP = {
     "model": "HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
@@ -79,14 +80,3 @@ def check_at_least(ns: argparse.Namespace, floors: dict[str, float]) -> None:
         for v in value if isinstance(value, list) else [value]:
             if v is not None and not v >= floor:
                 raise ValueError(f"--{dest.replace('_', '-')} must be at least {floor:g}, got {v}")
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '1GiB', '512MiB', '2GB'."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-             "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
-    t = text.strip().lower()
-    for u, mult in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * mult)
-    return int(float(t))

@@ -20,7 +20,7 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Router, route_info
 from tokenmill.router.proxy import Unreachable, forward, unavailable
 from tokenmill.serve.errors import error_response, install_error_handlers
-from tokenmill.serve.middleware import answer_head
+from tokenmill.serve.middleware import GatewayMiddleware, answer_head
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
 
@@ -33,6 +33,7 @@ class RouterConfig:
     affinity_slack: float = 4.0        # load units
     poll_interval: float = 0.5         # seconds
     health_timeout: float = 2.0        # seconds; also the connect timeout of proxied requests
+    max_request_bytes: int = 16 << 20  # larger bodies get 413 before the router reads them whole
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -136,4 +137,5 @@ def build_app(config: RouterConfig) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     answer_head(app)
+    app.add_middleware(GatewayMiddleware, api_key=None, max_body_bytes=config.max_request_bytes)
     return app

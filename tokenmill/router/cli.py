@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from tokenmill.units import parse_bytes
+
 
 def _url(value: str) -> str:
     url = value.rstrip("/")
@@ -25,6 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between two polls of each backend's /health and /metrics (default: %(default)s)")
     p.add_argument("--health-timeout", type=float, default=2.0, metavar="S",
                    help="timeout of a health check and of connecting to a backend (default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
+                   help="larger request bodies get 413 from the router itself, which reads a body whole before "
+                        "routing it (default: 16MiB, as a server's)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
@@ -49,6 +54,7 @@ def run(ns: argparse.Namespace) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll and per proxied request otherwise
     app = build_app(RouterConfig(backends=ns.backend, long_backends=ns.long_backend,
                                  long_prompt_threshold=ns.long_prompt_threshold, affinity_slack=ns.affinity_slack,
-                                 poll_interval=ns.poll_interval, health_timeout=ns.health_timeout))
+                                 poll_interval=ns.poll_interval, health_timeout=ns.health_timeout,
+                                 max_request_bytes=ns.max_request_bytes))
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                 timeout_graceful_shutdown=ns.shutdown_timeout)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from tokenmill.engine.arg_utils import add_engine_args, parse_bytes
+from tokenmill.engine.arg_utils import add_engine_args
+from tokenmill.units import parse_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

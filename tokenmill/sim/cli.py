@@ -12,7 +12,8 @@ import os
 import torch
 
 from tokenmill.config import EngineArgs, ModelConfig, SchedulerConfig, parse_dtype
-from tokenmill.engine.arg_utils import add_engine_args, check_at_least, engine_args_from, parse_bytes
+from tokenmill.engine.arg_utils import add_engine_args, check_at_least, engine_args_from
+from tokenmill.units import parse_bytes
 from tokenmill.model.presets import PRESETS, get_preset
 from tokenmill.plan import Plan, make_plan, resolve_model_config
 from tokenmill.sim.cost_model import H200, CostModel
