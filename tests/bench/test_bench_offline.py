@@ -201,6 +201,8 @@ SMALL = ["--max-input-len", "8", "--max-output-len", "4"]   # keeps a run short 
     (["latency", "--output-len", "1"], "--output-len must be at least 2, got 1"),         # after the warm-up
     (["throughput", "--num-requests", "0", *SMALL], "--num-requests must be at least 1, got 0"),   # a row of 0s
     (["throughput", "--min-output-len", "0", *SMALL], "--min-output-len must be at least 1, got 0"),
+    (["throughput", "--temperatures", "0.6", "-1", *SMALL], "--temperatures: temperature"),  # after the warm-up
+    (["ablation", "--temperature", "nan", *SMALL], "--temperature: temperature"),
     (["ablation", "--naive-requests", "0", *SMALL], "--naive-requests must be at least 1, got 0"),  # max() of []
     (["multiturn", "--num-turns", "0"], "--num-turns must be at least 1, got 0"),         # ZeroDivisionError
     (["multiturn", "--num-conversations", "-1"], "--num-conversations must be at least 1, got -1"),

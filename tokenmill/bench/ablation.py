@@ -131,7 +131,7 @@ def run_step(engine: LLMEngine, step: Step, workload: Workload, ns: argparse.Nam
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    check_workload_args(ns)
+    check_workload_args(ns, [ns.temperature], "--temperature")
     check_at_least(ns, {"naive_requests": 1, "naive_max_tokens": 1})
     base = engine_args_from(ns)
     rows: list[dict[str, Any]] = []

@@ -121,10 +121,16 @@ def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> d
             "breakdown": step_breakdown(steps), "triton_compiles": compiled}
 
 
-def check_workload_args(ns: argparse.Namespace) -> None:
-    """Before any engine is built: no requests (nothing timed) or empty prompts are no workload."""
+def check_workload_args(ns: argparse.Namespace, temperatures: list[float], option: str) -> None:
+    """Before any engine is built: no requests (nothing timed) or empty prompts are no workload, and a temperature
+    SamplingParams refuses would fail only after the engine's build and warm-up."""
     check_at_least(ns, {"num_requests": 1, "max_input_len": 1, "min_input_len": 1, "max_output_len": 1,
                         "min_output_len": 1})
+    for t in temperatures:
+        try:
+            SamplingParams(temperature=t)
+        except ValueError as e:
+            raise ValueError(f"{option}: {e}") from None
 
 
 def workload_from(ns: argparse.Namespace, vocab_size: int) -> Workload:
@@ -133,7 +139,7 @@ def workload_from(ns: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    check_workload_args(ns)
+    check_workload_args(ns, ns.temperatures, "--temperatures")
 
     def measure(engine: LLMEngine) -> list[dict[str, Any]]:
         workload = workload_from(ns, engine.model_config.vocab_size)
