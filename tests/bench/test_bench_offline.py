@@ -3,6 +3,7 @@
 pieces whose exactness matters: the nano-vllm draw, the recompute path, sweep parsing, weight bytes, kernel choice."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -149,6 +150,17 @@ def test_parse_sweep():
     assert parse_sweep(["kv_cache_memory=1MiB,2GB"]) == [{"kv_cache_memory": 1 << 20}, {"kv_cache_memory": 2 * 10**9}]
     with pytest.raises(ValueError, match="--sweep block_size: '' is not a valid int"):
         parse_sweep(["block_size=16,"])
+    with pytest.raises(ValueError, match="names block_size twice"):  # the last one alone counted
+        parse_sweep(["block_size=8", "max_num_seqs=2", "block-size=16"])
+
+
+def test_repeated_sweep_options_add_their_axes():
+    """`--sweep a=... --sweep b=...` is the grid of both (argparse kept the last --sweep alone)."""
+    p = argparse.ArgumentParser()
+    sweep.add_sweep_arg(p)
+    ns = p.parse_args(["--sweep", "block_size=8,16", "--sweep", "max_num_seqs=2", "enforce_eager=true"])
+    assert parse_sweep(ns.sweep) == [{"block_size": 8, "max_num_seqs": 2, "enforce_eager": True},
+                                     {"block_size": 16, "max_num_seqs": 2, "enforce_eager": True}]
 
 
 def test_sweep_values_are_checked_before_the_first_row_runs(monkeypatch):

@@ -18,7 +18,8 @@ SWEEP_HELP = ("grid search over engine options, one row per combination: e.g. --
 
 
 def add_sweep_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sweep", nargs="+", default=None, metavar="OPTION=V1,V2", help=SWEEP_HELP)
+    p.add_argument("--sweep", nargs="+", action="extend", default=None, metavar="OPTION=V1,V2",
+                   help=SWEEP_HELP)  # extend: a repeated --sweep adds its axes (the last one alone counted)
 
 
 def _parse_value(name: str, text: str) -> Any:
@@ -50,6 +51,8 @@ def parse_sweep(specs: list[str] | None) -> list[dict[str, Any]]:
         if name not in fields:
             raise ValueError(f"--sweep: {name!r} is not an engine option; e.g. block_size, max_num_seqs, "
                              "max_num_batched_tokens")
+        if name in axes:
+            raise ValueError(f"--sweep names {name} twice; give its values once: {name}=V1,V2,...")
         axes[name] = [_parse_value(name, v.strip()) for v in values.split(",")]
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
 
