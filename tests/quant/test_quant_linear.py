@@ -103,6 +103,19 @@ def test_fp8_twin_is_the_product_of_the_quantized_operands(m: int, n: int, k: in
     assert quant_linear(x.to(torch.bfloat16), qw.qweight, qw.scales, None, k, k, None).dtype == torch.bfloat16
 
 
+def test_fp8_twin_row_independent_of_the_batch() -> None:
+    """A row's FP8 output has the same bits alone as in any batch (a float32 GEMM gave one or two rows other last
+    bits, which the next layer's e4m3 rounding turned into other greedy tokens on the default model)."""
+    f = QuantFormat.parse("fp8")
+    gen = torch.Generator().manual_seed(1)
+    for n, k in [(576, 576), (1536, 576), (576, 1536)]:
+        qw = quantize(torch.randn(n, k, generator=gen) * 0.05, f)
+        x = torch.randn(9, k, generator=gen)
+        whole = quant_linear(x, qw.qweight, qw.scales, None, k, k, None)
+        for rows in (slice(0, 1), slice(3, 5), slice(2, 9)):
+            assert torch.equal(quant_linear(x[rows], qw.qweight, qw.scales, None, k, k, None), whole[rows])
+
+
 def test_fp8_layer_shards_and_forward() -> None:
     """A merged FP8 layer holds e4m3 weights with float32 scales a row; loading float or packed shards gives the
     stacked matrix's quantization, and forward is the twin's (CPU kernels are for integer formats only)."""

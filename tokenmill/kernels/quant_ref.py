@@ -28,11 +28,14 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x @ W.T in float32 with x quantized row by row to e4m3 and W e4m3 with a scale a row: the products of
-    e4m3 values are exact in float32, so this is what FP8 tensor cores compute, up to the order of the sums."""
+    """x @ W.T in float32 with x quantized row by row to e4m3 and W e4m3 with a scale a row: what FP8 tensor
+    cores compute, up to the order of the sums. The sums run in float64, where they are exact in any order (every
+    product of two e4m3 values is a multiple of 2^-18 below 2^18, so K < 2^17 of them add up without rounding):
+    a row's bits then depend on no other row. A float32 GEMM's blocking changes with the row count (its GEMV at
+    one or two rows), and the next layer's e4m3 rounding turned those last bits into other greedy tokens."""
     lead = x.shape[:-1]
     xq, xs = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
-    y = (xq.float() @ qweight.float().T) * xs[:, None] * scales.float().view(1, -1)
+    y = (xq.double() @ qweight.double().T).float() * xs[:, None] * scales.float().view(1, -1)
     return y.view(*lead, -1)
 
 
