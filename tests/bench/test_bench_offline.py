@@ -51,6 +51,8 @@ def test_throughput_with_sweep(tmp_path):
     rows = result["results"]
     assert [(r["block_size"], r["max_num_seqs"], r["temperature"]) for r in rows] == [
         (8, 2, 0.6), (8, 2, 0.0), (16, 2, 0.6), (16, 2, 0.0)]
+    # the header holds the options as given (block_size 16, max_num_seqs 256), not the first combination's
+    assert (result["engine_args"]["block_size"], result["engine_args"]["max_num_seqs"]) == (16, 256)
     expected = nano_vllm_workload(4, 8, 6, vocab_size=256).num_output_tokens
     for row in rows:
         assert row["output_tokens"] == expected

@@ -65,13 +65,14 @@ def combination_args(base: EngineArgs, combo: dict[str, Any]) -> EngineArgs:
 def run_sweep(base: EngineArgs, specs: list[str] | None, measure: Callable[[LLMEngine], list[dict[str, Any]]],
               header: Callable[[EngineArgs, LLMEngine], dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """measure(engine) on a fresh engine per combination, each row prefixed with its combination; the rows and
-    the first engine's result header. Each engine is released before the next is built. Every combination is
-    validated before the first runs, so a bad value is not found only after the rows before it."""
+    a result header of the base options (not the first combination's: the rows say what each one changed), taken
+    from the first engine. Each engine is released before the next is built. Every combination is validated
+    before the first runs, so a bad value is not found only after the rows before it."""
     rows: list[dict[str, Any]] = []
     first: dict[str, Any] | None = None
     for combo, args in [(c, combination_args(base, c)) for c in parse_sweep(specs)]:
         engine = build_engine(args)
-        first = first or header(args, engine)
+        first = first or header(base, engine)
         rows += [{**combo, **row} for row in measure(engine)]
         del engine
         release_memory()
