@@ -220,5 +220,8 @@ def test_fp8_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
         if p.dtype == torch.float32:
             p.data = p.data.half().float()
     assert torch.allclose(_logprobs(got), _logprobs(want), atol=1e-5)
+    for other in ("int8", "gguf"):
+        with pytest.raises(ValueError, match=f"already quantized as fp8; quantization='{other}' does not match"):
+            load_model(load_model_config(out), out, quantization=other)
     with pytest.raises(ValueError, match="gptq"):
         resolve_calibration("gptq", fmt)
