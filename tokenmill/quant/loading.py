@@ -68,7 +68,7 @@ def resolve_quantization(quantization: str | None, model_path: str | None, load_
             raise ValueError(f"{model_path}: quantization_config.quant_method {qc.get('quant_method')!r} is not "
                              f"supported; supported: {QUANT_METHOD!r} (written by `tokenmill quantize`)")
         fmt = QuantFormat.parse(qc["method"], qc.get("group_size"))
-        # 'gguf' names no format: parsing it said 'not supported', not that the folder is quantized already
+        # 'gguf' is no QuantFormat (parse would call it unsupported): it mismatches a folder as any other does
         if quantization is not None and (quantization == GGUF_NATIVE or QuantFormat.parse(quantization) != fmt):
             raise ValueError(f"{model_path} is already quantized as {fmt.name}; quantization={quantization!r} "
                              "does not match (leave it unset)")
