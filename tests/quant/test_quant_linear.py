@@ -59,13 +59,15 @@ def test_load_shard_errors() -> None:
 
 
 def test_to_quant_linear_keeps_device_dtype_and_bias() -> None:
+    torch.manual_seed(0)
     lin = MergedLinear(40, [8, 24], bias=True).to(torch.bfloat16)
     lin.weight.data.normal_()
     lin.bias.data.normal_()
     q = to_quant_linear(lin, QuantFormat.parse("int8"), lin.weight.data)
     assert isinstance(q, QuantMergedLinear) and q.output_sizes == [8, 24] and q.bias.dtype == torch.bfloat16
     x = torch.randn(3, 40, dtype=torch.bfloat16)
-    assert torch.allclose(q(x).float(), lin(x).float(), rtol=0.05, atol=0.1)
+    want = lin(x).float()  # INT8 per row: ~0.6% (0.4-0.8% over 300 seeds); an elementwise bound failed 1 draw in 40
+    assert (q(x).float() - want).norm() / want.norm() < 0.02
 
 
 def test_fp8_rows_quantized_per_token() -> None:
