@@ -189,6 +189,7 @@ def test_cli_bad_input_is_a_message_not_a_traceback():
     (["--max-num-seqs", "-1"], "--max-num-seqs must be at least 1, got -1"),          # negative logits reserve
     (["--gpu-memory-utilization", "-1"], "--gpu-memory-utilization must be in"),      # "fits NO"
     (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization must be in"),     # "cannot convert float NaN"
+    (["--weight-dtype", "fp8", "--group-size", "32"], "--group-size applies to int4"),  # silently the same plan
 ])
 def test_cli_sizes_out_of_range_are_refused(flags, match):
     with pytest.raises(ValueError, match=match):

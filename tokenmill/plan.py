@@ -162,7 +162,8 @@ def _check_sizes(memory: int, gpu_memory_utilization: float, block_size: int, ma
 def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = "auto", kv_dtype: str = "auto",
               max_model_len: int | None = None, tp: int = 1, gpu_memory_utilization: float = 0.9,
               block_size: int = 16, avg_context: int | None = None, max_num_batched_tokens: int = 2048,
-              max_num_seqs: int = 256, group_size: int = 128, quantize_lm_head: bool = False) -> Plan:
+              max_num_seqs: int = 256, group_size: int | None = None, quantize_lm_head: bool = False) -> Plan:
+    """group_size: INT4's (default 128); naming one for another weight dtype is an error (it would change nothing)."""
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
     _check_sizes(memory, gpu_memory_utilization, block_size, max_model_len, avg_context, max_num_batched_tokens,
@@ -170,13 +171,15 @@ def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = 
     weight_dtype = auto_weight_dtype(config) if weight_dtype == "auto" else weight_dtype
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r} is not one of auto, {', '.join(WEIGHT_DTYPES)}")
+    if group_size is not None and weight_dtype != "int4":
+        raise ValueError(f"--group-size applies to int4 weights; the weight dtype is {weight_dtype}")
     kv_dtype = compute_dtype(weight_dtype) if kv_dtype == "auto" else kv_dtype
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"KV dtype {kv_dtype!r} is not one of auto, {', '.join(KV_DTYPES)}")
     max_len = max_model_len or config.max_position_embeddings
     avg = avg_context or max(1, max_len // 4)
     usable = int(memory * gpu_memory_utilization)
-    weights = weight_bytes(config, weight_dtype, tp, group_size, quantize_lm_head)
+    weights = weight_bytes(config, weight_dtype, tp, group_size or 128, quantize_lm_head)
     acts = activation_bytes(config, weight_dtype, tp, min(max_num_batched_tokens, max_len), max_num_seqs)
     per_token = kv_bytes_per_token(config, kv_dtype, tp)
     budget = max(0, usable - weights - acts)
@@ -231,7 +234,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--avg-context", type=int, default=None, help="average tokens per request (default max_model_len/4)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="maximum running requests (default 256)")
-    p.add_argument("--group-size", type=int, default=128, help="int4 quantization group size (default 128)")
+    p.add_argument("--group-size", type=int, default=None, help="int4 quantization group size (default 128)")
     p.add_argument("--quantize-lm-head", action="store_true", help="int8 / fp8 / int4: the LM head quantized too")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
