@@ -65,5 +65,5 @@ def test_float32_logits_and_paths(m: int) -> None:
     got = quant_linear(x, qw.qweight, qw.scales, None, k, k, None, out_dtype=torch.float32)
     want = quant_ref.quant_linear(x, qw.qweight, qw.scales, None, k, k, None, out_dtype=torch.float64)
     assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5
-    fast = triton_fp8_linear.use_scaled_mm(m, n, k, torch.bfloat16, x.device)
+    fast = triton_fp8_linear.use_scaled_mm(m, n, k, torch.bfloat16)
     assert fast == (m > 16 and torch.cuda.get_device_capability() >= (8, 9))

@@ -12,19 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant.formats import FP8_MAX, dequantize
+from tokenmill.quant.formats import FP8_MAX, dequantize, quantize_fp8_rows
 
 KV_SCALE_BYTES = 4
-
-
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M]): each row scaled by max|row| / 448 (a zero row keeps
-    scale 0 and zeros), every division IEEE, as the Triton kernel does."""
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    scale = amax / torch.full_like(amax, FP8_MAX)  # by a tensor: CUDA divides by a scalar through its reciprocal
-    q = (xf / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
 
 
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

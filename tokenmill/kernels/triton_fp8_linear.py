@@ -8,8 +8,6 @@ reads x scaled back to float32: cuBLAS's FP8 GEMM at one row is slower than bf16
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -72,16 +70,10 @@ def quantize_rows(x: torch.Tensor, dequantize: bool = False) -> tuple[torch.Tens
     return q, scales
 
 
-@functools.lru_cache
-def _has_fp8_tensor_cores(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
-def use_scaled_mm(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
+def use_scaled_mm(m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
     """Where cuBLAS's rowwise FP8 GEMM applies: bf16 output (the only one it writes with a scale a row), sizes
-    in multiples of 16, compute capability 8.9 or newer, and enough rows."""
-    return (m >= SCALED_MM_MIN_ROWS and out_dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
-            and _has_fp8_tensor_cores(device.index or 0))
+    in multiples of 16, and enough rows (QuantLinear refuses FP8 on GPUs older than compute capability 8.9)."""
+    return m >= SCALED_MM_MIN_ROWS and out_dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
 
 
 def scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tensor,

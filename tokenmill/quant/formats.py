@@ -157,10 +157,7 @@ def quantize(w: torch.Tensor, fmt: QuantFormat, importance: torch.Tensor | None 
     n, k = w.shape
     group = fmt.group(k)
     if fmt.fp8:
-        amax = w.float().abs().amax(-1)
-        scales = amax / torch.full_like(amax, FP8_MAX)  # a true division on every device (CUDA's by a scalar is not)
-        s = scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-        q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q, scales = quantize_fp8_rows(w)
         return QuantizedWeight(fmt, q, scales.unsqueeze(-1), None, k)
     g = _grouped(w.float(), group)
     if fmt.bits == 8:
@@ -173,6 +170,17 @@ def quantize(w: torch.Tensor, fmt: QuantFormat, importance: torch.Tensor | None 
         weight[:k] *= importance.to(weight.device).float()
     q, scales, mins = _fit_int4(g, weight.view(1, -1, group))
     return QuantizedWeight(fmt, pack_int4(q.view(n, -1)[:, :k]), scales, mins, k)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], float32 scales [M]): each row scaled by max|row| / 448 (a zero row keeps scale 0
+    and zeros), every division IEEE, as the Triton kernel does: FP8 weights a row at a time, activations a token
+    at a time."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # by a tensor: CUDA divides by a scalar through its reciprocal
+    q = (xf / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
 
 
 def _fit_int4(g: torch.Tensor, weight: torch.Tensor, steps: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
