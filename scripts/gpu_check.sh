@@ -104,6 +104,8 @@ fp8() {
     step "fp8 gemv bench" "$PY" -m tokenmill.kernels.bench_gemv --matrices qkv o gate_up down --tune fp8 \
         --out "$OUT_DIR/gemv_fp8.json"
     step "fp8 quant bench" "$PY" -m tokenmill.quant.bench --m 1 2 16 64 256 2048 8192 --out "$OUT_DIR/quant_fp8.json"
+    step "fp8 gemm bench" "$PY" -m tokenmill.quant.bench --fp8-gemm $([ -n "${FP8_TUNE:-}" ] && echo --tune) \
+        --out "$OUT_DIR/quant_fp8_gemm.json"  # e4m3 tiles against cuBLAS at 17-1,024 rows; FP8_TUNE=1: ~4 min
     step "latency fp8" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
         --async-scheduling --quantization fp8 --sweep quantize_lm_head=false,true --out "$OUT_DIR/latency_fp8.json"
     for q in none fp8; do  # TOKENMILL_PDL=0: a kernel's time does not include its wait for the one before

@@ -47,7 +47,7 @@ def test_quantization_errors(tiny_model_dir: str, default_model_path: str) -> No
 @pytest.mark.parametrize("method", ["int8", "int4-g32", "fp8"])
 def test_quantize_at_load_equals_quantizing_after(tiny_model_dir: str, method: str) -> None:
     config = load_model_config(tiny_model_dir)
-    at_load = load_model(config, tiny_model_dir, quantization=method, fold_norms=True)  # quantized: nothing folds
+    at_load = load_model(config, tiny_model_dir, quantization=method, fold_norms=True)  # FP8 folds, to the same float32 values
     after = load_model(config, tiny_model_dir)
     quantize_model(after, dict.fromkeys(linear_modules(after), QuantFormat.parse(method)))
     assert torch.equal(_logprobs(at_load), _logprobs(after))

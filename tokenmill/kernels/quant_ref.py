@@ -17,31 +17,58 @@ from tokenmill.quant.formats import FP8_MAX, dequantize, quantize_fp8_rows
 KV_SCALE_BYTES = 4
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x @ W.T in float32 with x quantized row by row to e4m3 and W e4m3 with a scale a row: what FP8 tensor
-    cores compute, up to the order of the sums. The sums run in float64, where they are exact in any order (every
-    product of two e4m3 values is a multiple of 2^-18 below 2^18, so K < 2^17 of them add up without rounding):
-    a row's bits then depend on no other row. A float32 GEMM's blocking changes with the row count (its GEMV at
-    one or two rows), and the next layer's e4m3 rounding turned those last bits into other greedy tokens."""
-    lead = x.shape[:-1]
-    xq, xs = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
+def fp8_activation(x: torch.Tensor, rms_norm: tuple[torch.Tensor, float] | None = None,
+                   silu_and_mul: bool = False) -> torch.Tensor:
+    """What an FP8 projection quantizes, in float32: x, or silu(gate) * up of x = cat(gate, up) (silu_and_mul),
+    RMS-normalized with (weight, eps) where rms_norm is given; the producers' kernels folded into the
+    quantization, so their output is never rounded to 16 bits (triton_fp8_linear.quantize_rows)."""
+    xf = x.float()
+    if silu_and_mul:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = F.silu(gate) * up
+    if rms_norm is not None:
+        weight, eps = rms_norm
+        xf = F.rms_norm(xf, (xf.shape[-1],), weight.float(), eps)
+    return xf
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               rms_norm: tuple[torch.Tensor, float] | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """x @ W.T in float32 with x (fp8_activation's) quantized row by row to e4m3 and W e4m3 with a scale a row:
+    what FP8 tensor cores compute, up to the order of the sums. The sums run in float64, where they are exact in
+    any order (every product of two e4m3 values is a multiple of 2^-18 below 2^18, so K < 2^17 of them add up
+    without rounding): a row's bits then depend on no other row. A float32 GEMM's blocking changes with the row
+    count (its GEMV at one or two rows), and the next layer's e4m3 rounding turned those last bits into other
+    greedy tokens."""
+    act = fp8_activation(x, rms_norm, silu_and_mul)
+    xq, xs = quantize_fp8_rows(act.reshape(-1, act.shape[-1]))
     y = (xq.double() @ qweight.double().T).float() * xs[:, None] * scales.float().view(1, -1)
-    return y.view(*lead, -1)
+    return y.view(*act.shape[:-1], -1)
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None, *,
-                 residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 rms_norm: tuple[torch.Tensor, float] | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """x @ W.T + bias (+ residual) for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight, in out_dtype
-    (default x's); an FP8 weight (float8_e4m3fn) quantizes x too (fp8_linear)."""
+    (default x's); an FP8 weight (float8_e4m3fn) quantizes x too (fp8_linear), after the RMSNorm or SiLU·mul
+    that produced it where those are folded in (rms_norm, silu_and_mul: FP8 only)."""
     if qweight.dtype == torch.float8_e4m3fn:
-        y = fp8_linear(x, qweight, scales)
+        y = fp8_linear(x, qweight, scales, rms_norm, silu_and_mul)
         y = y if bias is None else y + bias.float()
         y = y if residual is None else y + residual.float()
         return y.to(out_dtype or x.dtype)
+    check_no_prologue(rms_norm, silu_and_mul)
     y = F.linear(x, dequantize(qweight, scales, mins, in_features, group, x.dtype), bias)
     y = y if residual is None else y + residual
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def check_no_prologue(rms_norm: tuple[torch.Tensor, float] | None, silu_and_mul: bool) -> None:
+    """Only FP8 projections fold the kernels that produce their input."""
+    if rms_norm is not None or silu_and_mul:
+        raise ValueError("only an FP8 weight folds an RMSNorm or SiLU·mul into its input quantization; "
+                         "INT8 and INT4 projections take the producer's output")
 
 
 def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:

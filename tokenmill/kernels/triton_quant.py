@@ -4,9 +4,10 @@ in memory.
 
 INT4 with bf16 x of 2 to 16 rows (and one row of a wide or deep matrix) goes to the tensor-core decode kernel of
 triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. FP8 (e4m3 weights) quantizes x row by
-row first (triton_fp8_linear.py) and runs more than 16 rows of bf16 output on cuBLAS's FP8 GEMM. Otherwise one
-kernel, two tile shapes.
-Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles.
+row first (triton_fp8_linear.py); from 17 rows its tiles multiply e4m3 by e4m3 on the tensor cores, and where
+cuBLAS's 128 x 128 tiles fill the GPU (bf16 output) its FP8 GEMM runs instead. Otherwise one kernel, two tile shapes.
+Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles, the
+row tiles of one weight tile side by side (_tile_coords).
 Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the split that
 finishes last adds the fp32 partial sums in split order (triton_arrive.py), so results are deterministic.
 
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import triton_fp8_linear, triton_int4_mma
+from tokenmill.kernels import quant_ref, triton_fp8_linear, triton_int4_mma
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     group_param,
@@ -47,6 +48,10 @@ class MatmulConfig:
     # (then subtracting it): no int-to-float conversion per weight (float16 inputs also apply scale and min in
     # float16). Off until measured on a GPU (`python -m tokenmill.quant.bench --tune` times both).
     bit_dequant: bool = False
+    # FP8 on tensor cores only: accumulate a whole K loop in wgmma's accumulator (cuBLAS's "fast accumulation",
+    # fewer bits kept) instead of moving the partial sums into float32 every sub-tile
+    fast_accum: bool = False
+    group_m: int = 8  # row tiles that share one weight tile run side by side (_tile_coords)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -64,6 +69,16 @@ class MatmulConfig:
 SKINNY_M = 16
 SKINNY = MatmulConfig(16, 32, 256, num_warps=4, num_stages=4)
 GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
+# FP8 beyond 16 rows multiplies e4m3 by e4m3 on the tensor cores (FP8_DOT_MIN_M rows a tile at least: wgmma's)
+# where cuBLAS's FP8 GEMM is slower (triton_fp8_linear.use_scaled_mm); (most rows, config) by rows, the best of
+# `python -m tokenmill.quant.bench --fp8-gemm --tune` on the H200 (docs/BENCHMARKS.md, 2026-12-02). float32
+# output (a quantized LM head's logits) keeps float16 dots: wgmma sums e4m3 products in fewer bits than float32's
+# between its promotions into the float32 accumulator.
+FP8_DOT_MIN_M = 64
+FP8_GEMM = ((64, MatmulConfig(64, 64, 128, num_warps=4, num_stages=3)),
+            (128, MatmulConfig(64, 64, 128, num_warps=4, num_stages=4)),
+            (512, MatmulConfig(64, 64, 128, num_warps=4, num_stages=3)),
+            (None, MatmulConfig(128, 64, 128, num_warps=8, num_stages=4)))
 
 
 @triton.jit
@@ -84,12 +99,12 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
                          stride_xm, stride_wn, stride_sn, stride_om, stride_split,
                          INT4: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                         PRECISION: tl.constexpr,
+                         PRECISION: tl.constexpr, FP8_DOT: tl.constexpr, FAST_ACCUM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SUB: tl.constexpr, BIT_DEQUANT: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+                         SUB: tl.constexpr, BIT_DEQUANT: tl.constexpr, GROUP_M: tl.constexpr):
+    tile = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = (offs_m < M)[:, None]
@@ -97,7 +112,10 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     s_off = offs_n.to(tl.int64)[:, None] * stride_sn
-    dt = tl.float16 if FP8 else x_ptr.dtype.element_ty  # e4m3 values are exact in fp16 (one cvt a pair on sm_90)
+    if FP8_DOT:  # e4m3 operands on the tensor cores (wgmma on sm_90)
+        dt = tl.float8e4nv
+    else:  # e4m3 values are exact in fp16 (one cvt a pair on sm_90)
+        dt = tl.float16 if FP8 else x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # tiles past K are masked off; only the last split has any
@@ -135,7 +153,10 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
                     scale = group_param(s_ptr, s_off, n_mask, k0 + j * SUB, n_groups, GROUP)
                     w = (q.to(tl.float32) * scale).to(dt)
                 x = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0).to(dt)
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+                if FP8_DOT and not FAST_ACCUM:  # the partial sums leave wgmma's narrower accumulator every sub-tile
+                    acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=SUB)
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if PER_CHANNEL:
             acc = acc * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         if FP8:  # x's row scales
@@ -144,13 +165,24 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
     out_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SPLIT:  # the split that finishes last adds the partial sums in split order (triton_arrive.py)
         tl.store(part_ptr + pid_k * stride_split + out_off, acc, mask=out_mask)
-        if arrive_last(counter_ptr + pid_m * tl.num_programs(0) + pid_n, tl.num_programs(2)):
+        if arrive_last(counter_ptr + tile, tl.num_programs(1)):
             acc = tl.zeros_like(acc)
-            for s in range(tl.num_programs(2)):
+            for s in range(tl.num_programs(1)):
                 acc += tl.load(part_ptr + s * stride_split + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
             _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
     else:
         _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of a program: GROUP_M row tiles of one column tile run side by side, so the
+    weight tile they share is read from memory once and from L2 by the others."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
 
 
 @triton.jit
@@ -164,11 +196,16 @@ def _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask,
     tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
-    """The skinny config for decode-sized M, the GEMM config otherwise; K is split over programs until there are
-    about two per multiprocessor (a batch of 64 rows of a 4096-wide output is only 32 GEMM tiles: unsplit, it
-    ran on a quarter of the H200 at a tenth of bf16's speed)."""
-    cfg = GEMM if m > SKINNY_M else SKINNY
+def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> MatmulConfig:
+    """The skinny config for decode-sized M, the GEMM config (FP8: FP8_GEMM's for M) otherwise; K is split over
+    programs until there are about two per multiprocessor (a batch of 64 rows of a 4096-wide output is only 32
+    GEMM tiles: unsplit, it ran on a quarter of the H200 at a tenth of bf16's speed)."""
+    if m <= SKINNY_M:
+        cfg = SKINNY
+    elif fp8:
+        cfg = next(c for most, c in FP8_GEMM if most is None or m <= most)
+    else:
+        cfg = GEMM
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     k_tiles = triton.cdiv(k, cfg.block_k)
     target = 2 * num_sms(device.index or 0) if device.type == "cuda" else 1
@@ -179,27 +216,33 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None,
                  config: MatmulConfig | None = None, *, residual: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
+                 silu_and_mul: bool = False) -> torch.Tensor:
     """x [..., in_features] @ W.T + bias (+ residual) in out_dtype (default x's), W packed INT8 (int8 qweight) or
     INT4 (uint8); same as quant_ref. Without a config, INT4 with bf16 x of up to 16 rows goes to the tensor-core
     decode kernel (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile
     kernel runs the rest (and whatever M is when a config is given). FP8 (float8_e4m3fn qweight) quantizes x too:
-    cuBLAS's FP8 GEMM beyond 16 rows of bf16 output, the tile kernel otherwise."""
+    cuBLAS's FP8 GEMM where it is the faster (use_scaled_mm), the tile kernel otherwise; its quantization kernel
+    also does the RMSNorm or SiLU·mul that produced x where those are folded in (quant_ref.fp8_activation)."""
     int4, fp8 = qweight.dtype == torch.uint8, qweight.dtype == torch.float8_e4m3fn
+    if not fp8:
+        quant_ref.check_no_prologue(rms_norm, silu_and_mul)
+    prologue = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul}
+    x_width = 2 * in_features if silu_and_mul else in_features
     if config is None and int4 and triton_int4_mma.supports(x, qweight, group, in_features):
         mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features,
                                                  triton_int4_mma.has_tma(qweight))
         if mma_cfg is not None:
             return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
                                                  residual=residual, out_dtype=out_dtype)
-    if config is None and x.numel() == in_features:
+    if config is None and x.numel() == x_width:
         if fp8:  # x quantized and scaled back to float32 for the GEMV, which scales by W's row scales
-            xd, _ = triton_fp8_linear.quantize_rows(x.reshape(1, in_features), dequantize=True)
+            xd, _ = triton_fp8_linear.quantize_rows(x.reshape(1, x_width), dequantize=True, **prologue)
             return quant_gemv(xd, qweight, scales, None, in_features, group, bias, residual=residual,
                               out_dtype=out_dtype or x.dtype).view(*x.shape[:-1], qweight.shape[0])
         return quant_gemv(x, qweight, scales, mins, in_features, group, bias, residual=residual, out_dtype=out_dtype)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, in_features)
+    x2 = x.reshape(-1, x_width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n, k = x2.shape[0], qweight.shape[0], in_features
@@ -210,18 +253,18 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         residual = residual.reshape(m, n).contiguous()
     x_scales = None
     if fp8:
-        x2, x_scales = triton_fp8_linear.quantize_rows(x2)
-        if config is None and triton_fp8_linear.use_scaled_mm(m, n, k, out_dtype):
+        x2, x_scales = triton_fp8_linear.quantize_rows(x2, **prologue)
+        if config is None and triton_fp8_linear.use_scaled_mm(m, n, k, out_dtype, x.device):
             y = triton_fp8_linear.scaled_mm(x2, x_scales, qweight, scales, bias)
             return (y if residual is None else y.add_(residual)).view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     per_channel = not int4 and group >= k
-    cfg = config or pick_config(m, n, k, x.device)
+    cfg = config or pick_config(m, n, k, x.device, fp8)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
-    counter = counters(x.device, grid[0] * grid[1]) if splits > 1 else out
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), splits)
+    counter = counters(x.device, grid[0]) if splits > 1 else out
     _quant_matmul_kernel[grid](
         x2, out if x_scales is None else x_scales, qweight, scales, scales if mins is None else mins,
         out if bias is None else bias, out if residual is None else residual, out, part, counter,
@@ -229,7 +272,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         INT4=int4, FP8=fp8, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        FP8_DOT=fp8 and cfg.block_m >= FP8_DOT_MIN_M and out_dtype != torch.float32, FAST_ACCUM=cfg.fast_accum,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB=sub_tile(0 if per_channel else group, cfg.block_k), BIT_DEQUANT=cfg.bit_dequant and int4,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*lead, n)

@@ -1,6 +1,7 @@
-"""RMSNorm. Before a projection its weight can be folded into the projection's weight (fold_into): the
-projection then normalizes its input itself (torch_ref.linear's rms_eps), which a batch-1 GEMV does in the
-same launch, so the norm costs no kernel of its own."""
+"""RMSNorm. Before a projection its weight can be folded into the projection (fold_into): into a float weight's
+input columns, or into an FP8 projection's input quantization; the projection then normalizes its input
+itself (torch_ref.linear's rms_eps), which a batch-1 GEMV or the FP8 quantization kernel does in the same
+launch, so the norm costs no kernel of its own."""
 from __future__ import annotations
 
 import torch
@@ -23,13 +24,10 @@ class RMSNorm(nn.Module):
         """What a projection reading this norm's output takes: (x, eps) once folded, else (norm(x), None)."""
         return (x, self.eps) if self.weight is None else (self(x), None)
 
-    @torch.no_grad()
-    def fold_into(self, weight: torch.Tensor) -> None:
-        """Scale the input columns of the float weight of the projection this norm feeds by the norm's weight
-        (each product rounded once: both are in the model's dtype), and drop it: norm(x) W^T = rms(x) (W diag(g))^T."""
+    def fold_into(self, projection: nn.Module) -> None:
+        """Hand this norm's weight to the projection it feeds (Linear.fold_norm says how it takes it) and drop
+        it, where the projection can take it; then the projection normalizes its own input."""
         if self.weight is None:
             raise ValueError("this norm's weight is already folded")
-        if not weight.is_floating_point():
-            raise ValueError(f"a norm folds only into a float weight, not {weight.dtype}")
-        weight.mul_(self.weight.to(weight.dtype))
-        self.weight = None
+        if projection.fold_norm(self.weight.data):
+            self.weight = None

@@ -42,6 +42,18 @@ class Linear(nn.Module):
         """x W^T + b; rms_eps: x RMS-normalized first (a norm folded into W); residual: added to the output."""
         return self.ops.linear(x, self.weight, self.bias, rms_eps=rms_eps, residual=residual)
 
+    @torch.no_grad()
+    def fold_norm(self, norm_weight: torch.Tensor) -> bool:
+        """Take the weight of the RMSNorm that feeds this projection: scale the input columns by it (each product
+        rounded once: both are in the model's dtype), since norm(x) W^T = rms(x) (W diag(g))^T."""
+        self.weight.mul_(norm_weight.to(self.weight.dtype))
+        return True
+
+    def fold_silu_and_mul(self) -> bool:
+        """Whether this projection computes SiLU·mul of its cat(gate, up) input itself (FP8 ones do); a float
+        one does not."""
+        return False
+
 
 class ColumnParallelLinear(Linear):
     """Output rows split over ranks; each rank produces its slice of the output."""

@@ -54,11 +54,12 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: silu")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        self.act = SiluAndMul()
+        self.act: SiluAndMul | None = SiluAndMul()  # None once folded into down_proj
 
     def forward(self, x: torch.Tensor, rms_eps: float | None, residual: torch.Tensor) -> torch.Tensor:
         """residual + mlp(x): x and rms_eps as RMSNorm.for_projection gives them."""
-        return self.down_proj(self.act(self.gate_up_proj(x, rms_eps=rms_eps)), residual=residual)
+        gate_up = self.gate_up_proj(x, rms_eps=rms_eps)
+        return self.down_proj(gate_up if self.act is None else self.act(gate_up), residual=residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -75,9 +76,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(*self.post_attention_layernorm.for_projection(hidden), hidden)
 
     def fold_norms(self) -> None:
-        """Fold the two norms' weights into the projections they feed (float weights only)."""
-        self.input_layernorm.fold_into(self.self_attn.qkv_proj.weight)
-        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj.weight)
+        """Fold the two norms' weights into the projections they feed, and SiLU·mul into the down projection,
+        where those projections take them (Linear.fold_norm, fold_silu_and_mul)."""
+        self.input_layernorm.fold_into(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
+        if self.mlp.down_proj.fold_silu_and_mul():
+            self.mlp.act = None
 
 
 class LlamaModel(nn.Module):
@@ -115,8 +119,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def fold_norms(self) -> None:
-        """Fold every layer's norm weights into the float projections they feed (the final norm stays: its
-        LM head may be tied to the embeddings)."""
+        """Fold every layer's norms (and SiLU·mul) into the projections they feed where those take them (the
+        final norm stays: its LM head may be tied to the embeddings)."""
         for layer in self.model.layers:
             layer.fold_norms()
 

@@ -94,7 +94,8 @@ def load_model(model_config: ModelConfig, model_path: str | None, load_format: s
     Quantized projections (`quantization`, or the checkpoint's own; the LM head too with quantize_lm_head) are
     swapped in before weights load.
     fold_norms (the engine's choice; tools that read or save the checkpoint's own layout leave it off): the
-    layers' norm weights go into the projections they feed, where those are float (RMSNorm.fold_into)."""
+    layers' norm weights go into the projections they feed, where those are float or FP8, and SiLU·mul into
+    FP8 down projections (LlamaDecoderLayer.fold_norms)."""
     cls = get_model_class(model_config.architecture)
     if load_format != "dummy":
         model_path = resolve_model(model_path)
@@ -118,6 +119,6 @@ def load_model(model_config: ModelConfig, model_path: str | None, load_format: s
             model.load_weights(weights)
         except ValueError as e:  # a missing, extra or misshapen tensor: say which checkpoint holds it
             raise in_file(model_path, e) from None
-    if fold_norms and quant is None:
+    if fold_norms:
         model.fold_norms()
     return model.eval()

@@ -70,6 +70,8 @@ class QuantLinear(Linear):
                      if bias else None)
         self.matmul = quant_linear_fn(device)
         self._cpu_packed: CpuPackedWeight | None = None
+        self.register_buffer("input_norm", None)  # an RMSNorm's weight folded into FP8 input quantization
+        self.silu_and_mul_input = False  # FP8: the input is cat(gate, up), SiLU·mul folded into its quantization
 
     def _rows(self, shard: int | None) -> tuple[int, int, int]:
         """(first row in this layer, first row in the checkpoint tensor, rows) of a checkpoint tensor."""
@@ -144,12 +146,26 @@ class QuantLinear(Linear):
                                    x.dtype)
         return self._cpu_packed
 
+    def fold_norm(self, norm_weight: torch.Tensor) -> bool:
+        """FP8 takes the norm's weight into its input quantization (the kernel normalizes, scales and quantizes
+        in one pass, triton_fp8_linear.quantize_rows); INT8 and INT4 leave the norm alone."""
+        if not self.fmt.fp8:
+            return False
+        self.input_norm = norm_weight.detach().clone()
+        return True
+
+    def fold_silu_and_mul(self) -> bool:
+        """FP8 computes SiLU·mul of its cat(gate, up) input in its quantization kernel; INT8 and INT4 do not."""
+        self.silu_and_mul_input = self.fmt.fp8
+        return self.silu_and_mul_input
+
     def forward(self, x: torch.Tensor, *, rms_eps: float | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        if rms_eps is not None:
-            raise ValueError("a norm folds only into float weights; a quantized projection takes its output")
+        if rms_eps is not None and self.input_norm is None:
+            raise ValueError("a norm folds only into float or FP8 weights; this projection takes its output")
+        norm = None if rms_eps is None else (self.input_norm, rms_eps)
         sharded = self.col_range is not None and tp_size() > 1  # partial sums: bias and residual follow the sum
-        y = self._product(x, None if sharded else self.bias, None if sharded else residual)
+        y = self._product(x, None if sharded else self.bias, None if sharded else residual, rms_norm=norm)
         if not sharded:
             return y
         y = all_reduce(y)
@@ -157,12 +173,14 @@ class QuantLinear(Linear):
         return y if residual is None else y + residual
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None,
+                 rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """This rank's x W^T + bias + residual, in out_dtype (default x's): torch's packed CPU kernel where one
-        fits, else the device's quantized matmul."""
+        fits, else the device's quantized matmul (which, FP8, also runs the folded norm or SiLU·mul)."""
         if (packed := self._cpu_kernel_weight(x)) is None:
             return self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group,
-                               bias, residual=residual, out_dtype=out_dtype)
+                               bias, residual=residual, out_dtype=out_dtype, rms_norm=rms_norm,
+                               silu_and_mul=self.silu_and_mul_input)
         y = cpu_quant_linear(x, packed, bias)
         y = y if residual is None else y + residual
         return y if out_dtype is None else y.to(out_dtype)
