@@ -16,7 +16,8 @@ from tokenmill.kernels.triton_gemv import num_sms
 from tokenmill.quant.formats import FP8_MAX
 
 TILE_ONLY_ROWS = 64              # up to this many rows the tile kernel's e4m3 dots beat cuBLAS on every matrix
-SCALED_MM_MIN_ROWS = 129         # from here cuBLAS wins on every matrix (between: use_scaled_mm's tile count)
+ONE_ROW_TILE = 128               # up to here cuBLAS computes one 128-row tile: use_scaled_mm's tile count decides
+SCALED_MM_MIN_ROWS = 193         # from here cuBLAS wins on every matrix (129-192: it pads to 256 rows, and loses)
 ONE_PASS_MAX = 16384             # longest row read once (64 float32 registers a thread with 8 warps)
 ROW_BLOCK = 2048                 # longer rows: two passes of this many values at a time
 
@@ -117,13 +118,16 @@ def quantize_rows(x: torch.Tensor, dequantize: bool = False, *, rms_norm: tuple[
 
 def use_scaled_mm(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
     """Where cuBLAS's rowwise FP8 GEMM applies and is the faster: bf16 output (the only one it writes with a
-    scale a row), sizes in multiples of 16, and rows enough that its 128 x 128 output tiles fill the GPU; fewer
-    leave multiprocessors idle (it does not split K), and the tile kernel, which does, wins (`python -m
-    tokenmill.quant.bench --fp8-gemm`: 17-64 rows of Llama-3-8B's four matrices, and 128 rows of all but
-    gate/up, the one with 224 tiles). QuantLinear refuses FP8 on GPUs older than compute capability 8.9."""
+    scale a row), sizes in multiples of 16, and rows enough that its 128 x 128 output tiles fill the GPU without
+    much padding; otherwise the tile kernel, which splits K to fill it, wins (`python -m tokenmill.quant.bench
+    --fp8-gemm` on the H200, Llama-3-8B's four matrices: 17-64 rows and 129-192 rows on every matrix, 128 rows on
+    all but gate/up, the one with 224 tiles; from 224 rows cuBLAS on every matrix). QuantLinear refuses FP8 on
+    GPUs older than compute capability 8.9."""
     if out_dtype != torch.bfloat16 or n % 16 or k % 16 or m <= TILE_ONLY_ROWS:
         return False
-    return m >= SCALED_MM_MIN_ROWS or triton.cdiv(m, 128) * triton.cdiv(n, 128) >= num_sms(device.index or 0)
+    if m <= ONE_ROW_TILE:
+        return triton.cdiv(n, 128) >= num_sms(device.index or 0)
+    return m >= SCALED_MM_MIN_ROWS
 
 
 def scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tensor,

@@ -76,7 +76,7 @@ GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
 # between its promotions into the float32 accumulator.
 FP8_DOT_MIN_M = 64
 FP8_GEMM = ((64, MatmulConfig(64, 64, 128, num_warps=4, num_stages=3)),
-            (128, MatmulConfig(64, 64, 128, num_warps=4, num_stages=4)),
+            (192, MatmulConfig(64, 64, 128, num_warps=4, num_stages=4)),
             (512, MatmulConfig(64, 64, 128, num_warps=4, num_stages=3)),
             (None, MatmulConfig(128, 64, 128, num_warps=8, num_stages=4)))
 
