@@ -28,6 +28,7 @@ import triton.language as tl
 from tokenmill.kernels import quant_ref, triton_fp8_linear, triton_int4_mma
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
+    WIDE_N,
     group_param,
     int4_subtile,
     num_sms,
@@ -79,6 +80,7 @@ FP8_GEMM = ((64, MatmulConfig(64, 64, 128, num_warps=4, num_stages=3)),
             (192, MatmulConfig(64, 64, 128, num_warps=4, num_stages=4)),
             (512, MatmulConfig(64, 64, 128, num_warps=4, num_stages=3)),
             (None, MatmulConfig(128, 64, 128, num_warps=8, num_stages=4)))
+FP8_WIDE = MatmulConfig(64, 128, 128, num_warps=4, num_stages=4)  # 129-192 rows of WIDE_N outputs or more: gate/up
 
 
 @triton.jit
@@ -202,6 +204,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False)
     GEMM tiles: unsplit, it ran on a quarter of the H200 at a tenth of bf16's speed)."""
     if m <= SKINNY_M:
         cfg = SKINNY
+    elif fp8 and 128 < m <= 192 and n >= WIDE_N:
+        cfg = FP8_WIDE
     elif fp8:
         cfg = next(c for most, c in FP8_GEMM if most is None or m <= most)
     else:
