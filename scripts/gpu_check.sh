@@ -105,13 +105,13 @@ fp8() {
         --out "$OUT_DIR/gemv_fp8.json"
     step "fp8 quant bench" "$PY" -m tokenmill.quant.bench --m 1 2 16 64 256 2048 8192 --out "$OUT_DIR/quant_fp8.json"
     step "fp8 gemm bench" "$PY" -m tokenmill.quant.bench --fp8-gemm $([ -n "${FP8_TUNE:-}" ] && echo --tune) \
-        --out "$OUT_DIR/quant_fp8_gemm.json"  # e4m3 tiles against cuBLAS at 17-1,024 rows; FP8_TUNE=1: ~4 min
+        --fp8-rows 17 64 128 160 192 256 1024 --out "$OUT_DIR/quant_fp8_gemm.json"  # e4m3 tiles against cuBLAS; FP8_TUNE=1: ~2 min
     step "latency fp8" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
         --async-scheduling --quantization fp8 --sweep quantize_lm_head=false,true --out "$OUT_DIR/latency_fp8.json"
     for q in none fp8; do  # TOKENMILL_PDL=0: a kernel's time does not include its wait for the one before
         step "profile $q w" env TOKENMILL_PDL=0 "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" \
             $([ $q = none ] || echo --quantization $q) --kv-cache-dtype fp8 --async-scheduling \
-            --max-num-batched-tokens 32768 --input-len 800 --batch-sizes 64 256 --out "$OUT_DIR/profile_w$q.json"
+            --max-num-batched-tokens 32768 --input-len 800 --batch-sizes 64 160 256 --out "$OUT_DIR/profile_w$q.json"
     done
     step "throughput fp8" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
         --sweep max_num_batched_tokens=8192 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
