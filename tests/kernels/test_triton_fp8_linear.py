@@ -61,8 +61,9 @@ def test_linear_folds_the_producer(m: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(m)
     qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, FP8)
     norm = (torch.rand(k, device="cuda", generator=gen).to(torch.bfloat16) + 0.5, 1e-5)
-    for x, kwargs in ((torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16), {"rms_norm": norm}),
-                      (torch.randn(m, 2 * k, device="cuda", generator=gen, dtype=torch.bfloat16), {"silu_and_mul": True})):
+    x_norm = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    x_gated = torch.randn(m, 2 * k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    for x, kwargs in ((x_norm, {"rms_norm": norm}), (x_gated, {"silu_and_mul": True})):
         want = quant_ref.quant_linear(x, qw.qweight, qw.scales, None, k, k, None, out_dtype=torch.float64, **kwargs)
         got = quant_linear(x, qw.qweight, qw.scales, None, k, k, None, **kwargs)
         assert got.shape == (m, n) and rel_err(got, want) < 1e-2

@@ -9,8 +9,8 @@ the engine one row goes to the GEMV instead (kernels/triton_gemv.py, timed on ev
 
 `--fp8-gemm` times FP8 at 17 to 1,024 rows on Llama-3-8B's four decode matrices instead: the tile kernel's e4m3
 dots (its FP8_GEMM config and, with --tune, the best of a grid) against cuBLAS's rowwise FP8 GEMM (with and without
-fast accumulation) and bf16, weights rotated through more copies than L2 holds; where the first stops winning is
-triton_fp8_linear.SCALED_MM_MIN_ROWS.
+fast accumulation) and bf16, weights rotated through more copies than L2 holds: the timings that
+triton_fp8_linear.use_scaled_mm's choice between the two rests on.
 """
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def bench_fp8_gemm(n: int, k: int, rows: tuple[int, ...] = FP8_GEMM_ROWS, tune: 
     return out
 
 
-def _cublas_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *_: object, fast: bool = False) -> torch.Tensor:
+def _cublas_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *_: object,
+                fast: bool = False) -> torch.Tensor:
     xq, x_scales = triton_fp8_linear.quantize_rows(x)
     return triton_fp8_linear.scaled_mm(xq, x_scales, qweight, scales, None, fast_accum=fast)
 
