@@ -99,8 +99,8 @@ def test_cuda_graph_used_for_decode_and_matches_eager(model_dir, quant):
 
 
 def test_fp8_graphs_beyond_16_rows_match_eager(model_dir):
-    """FP8 decode batches past 16 rows run cuBLAS's FP8 GEMM inside the graphs (the tile kernel below): graphs
-    give eager's tokens."""
+    """FP8 decode batches past 16 rows run the tile kernel's e4m3 dots inside the graphs (its fp16 dots below):
+    graphs give eager's tokens."""
     prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(24)]
     kw = dict(model=model_dir, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=32,
               quantization="fp8")
