@@ -210,11 +210,14 @@ def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False)
         cfg = next(c for most, c in FP8_GEMM if most is None or m <= most)
     else:
         cfg = GEMM
+    return with_split(cfg, m, n, k, device)
+
+
+def with_split(cfg: MatmulConfig, m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
+    """cfg with K split over programs until there are about two per multiprocessor (at most 16 splits)."""
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    k_tiles = triton.cdiv(k, cfg.block_k)
     target = 2 * num_sms(device.index or 0) if device.type == "cuda" else 1
-    split = max(1, min(triton.cdiv(target, tiles), k_tiles, 16))
-    return dataclasses.replace(cfg, split_k=split)
+    return dataclasses.replace(cfg, split_k=max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg.block_k), 16)))
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

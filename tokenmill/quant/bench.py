@@ -26,7 +26,7 @@ import triton
 from tokenmill.kernels import triton_fp8_linear
 from tokenmill.kernels.bench_gemv import LAYER, LLAMA3_8B, time_rotating
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
-from tokenmill.kernels.triton_quant import SKINNY_M, MatmulConfig, pick_config, quant_linear
+from tokenmill.kernels.triton_quant import SKINNY_M, MatmulConfig, pick_config, quant_linear, with_split
 from tokenmill.quant.formats import QuantFormat, quantize
 
 FORMATS = ("int4-g128", "int4-g32", "int8", "fp8")
@@ -70,12 +70,10 @@ def best_config(args: tuple, m: int, n: int, k: int) -> tuple[float, MatmulConfi
     default = pick_config(m, n, k, args[0].device)
     best: tuple[float, MatmulConfig] = (float("inf"), default)
     int4 = args[1].dtype == torch.uint8
-    sms = torch.cuda.get_device_properties(args[0].device).multi_processor_count
     for block_n, block_k, warps, bit in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
                                                           (False, True) if int4 else (False,)):
-        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, default.block_m)
-        split = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k), 16))
-        cfg = MatmulConfig(default.block_m, block_n, block_k, split, warps, num_stages=4, bit_dequant=bit)
+        cfg = with_split(MatmulConfig(default.block_m, block_n, block_k, num_warps=warps, num_stages=4,
+                                      bit_dequant=bit), m, n, k, args[0].device)
         try:
             ms = median_ms(lambda cfg=cfg: quant_linear(*args, cfg))
         except triton.runtime.errors.OutOfResources:
@@ -95,13 +93,14 @@ def bench_fp8_gemm(n: int, k: int, rows: tuple[int, ...] = FP8_GEMM_ROWS, tune: 
     fp8 = QuantFormat.parse("fp8")
     copies = max(2, -(-L2_BYTES // (n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 4))]
-    quantized = [quantize(w, fp8) for w in weights] * -(-copies // len(weights))
+    reps = -(-copies // len(weights))
+    quantized = [quantize(w, fp8) for w in weights] * reps
     out = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         sets = [(x, qw.qweight, qw.scales, None, k, k, None) for qw in quantized]
         flops, moved = 2 * m * n * k, n * k + n * 4 + m * k * 2 + m * n * 2
-        bf16_ms = time_rotating(lambda w: F.linear(x, w), [(w,) for w in weights * -(-copies // len(weights))])
+        bf16_ms = time_rotating(lambda w: F.linear(x, w), [(w,) for w in weights * reps])
         found = [_row("bf16 F.linear", n, k, m, bf16_ms, moved + n * k, flops, bf16_ms)]
         for fast in (False, True):
             ms = time_rotating(lambda *a, fast=fast: _cublas_fp8(*a, fast=fast), sets)
@@ -125,14 +124,12 @@ def _cublas_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *_
 def best_fp8_config(sets: list[tuple], m: int, n: int, k: int) -> tuple[float, MatmulConfig]:
     """The fastest e4m3 tile config for m rows (split as pick_config would), then the same with fast
     accumulation."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    best: tuple[float, MatmulConfig] = (float("inf"), pick_config(m, n, k, sets[0][0].device, fp8=True))
+    device = sets[0][0].device
+    best: tuple[float, MatmulConfig] = (float("inf"), pick_config(m, n, k, device, fp8=True))
     grid = [(bk, st) for bk in (128, 256) for st in ((3, 4) if bk == 128 else (3,))]
     for block_m, block_n, (block_k, stages), warps in itertools.product((64,) if m <= 64 else (64, 128),
                                                                         (64, 128, 256), grid, (4, 8)):
-        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-        split = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k), 16))
-        cfg = MatmulConfig(block_m, block_n, block_k, split, warps, stages)
+        cfg = with_split(MatmulConfig(block_m, block_n, block_k, num_warps=warps, num_stages=stages), m, n, k, device)
         best = min(best, (_time_config(sets, cfg), cfg), key=lambda t: t[0])
     fast = dataclasses.replace(best[1], fast_accum=True)
     return min(best, (_time_config(sets, fast), fast), key=lambda t: t[0])

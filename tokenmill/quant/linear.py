@@ -151,7 +151,7 @@ class QuantLinear(Linear):
         in one pass, triton_fp8_linear.quantize_rows); INT8 and INT4 leave the norm alone."""
         if not self.fmt.fp8:
             return False
-        self.input_norm = norm_weight.detach().clone()
+        self.input_norm = norm_weight.detach()
         return True
 
     def fold_silu_and_mul(self) -> bool:
