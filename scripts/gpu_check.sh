@@ -111,7 +111,8 @@ fp8() {
     for q in none fp8; do  # TOKENMILL_PDL=0: a kernel's time does not include its wait for the one before
         step "profile $q w" env TOKENMILL_PDL=0 "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" \
             $([ $q = none ] || echo --quantization $q) --kv-cache-dtype fp8 --async-scheduling \
-            --max-num-batched-tokens 32768 --input-len 800 --batch-sizes 64 160 256 --out "$OUT_DIR/profile_w$q.json"
+            --max-num-batched-tokens 32768 --input-len 800 --batch-sizes 64 128 160 256 --prefill-tokens 8192 \
+            --out "$OUT_DIR/profile_w$q.json"
     done
     step "throughput fp8" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
         --sweep max_num_batched_tokens=8192 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \

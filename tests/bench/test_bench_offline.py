@@ -194,10 +194,11 @@ def test_kernel_backend_env(monkeypatch):
 
 
 def test_profile(tmp_path) -> None:
-    """Host phases nest inside the step, every profiled step is timed, and a verify forward of more query tokens
-    is reported against the one-token forward."""
+    """Host phases nest inside the step, every profiled step is timed, a prefill step is cut into requests of the
+    input length, and a verify forward of more query tokens is reported against the one-token forward."""
     r = run_bench(tmp_path, "profile", "--batch-sizes", "1", "3", "--num-steps", "4", "--input-len", "10",
-                  "--verify-context", "40", "--verify-query-lens", "1", "3")
+                  "--prefill-tokens", "25", "--verify-context", "40", "--verify-query-lens", "1", "3")
+    assert r["prefill"]["num_tokens"] == 25 and r["prefill"]["requests"] == 3 and r["prefill"]["wall_ms"] > 0
     assert [row["batch_size"] for row in r["decode"]] == [1, 3]
     for row in r["decode"]:
         assert 0 < row["forward_ms"] < row["execute_ms"] <= row["step_ms"] <= row["wall_ms"] * 1.01
@@ -227,6 +228,10 @@ SMALL = ["--max-input-len", "8", "--max-output-len", "4"]   # keeps a run short 
     (["profile", "--verify-context", "4", "--verify-query-lens", "1", "8"], "at most --verify-context"),
     (["profile", "--batch-sizes", "4", "--max-num-seqs", "2", "--num-steps", "2", "--input-len", "4",
       "--verify-query-lens"], "--batch-sizes must be at most --max-num-seqs"),  # timed at 2, labelled 4
+    (["profile", "--prefill-tokens", "5000", "--max-num-batched-tokens", "4096"],
+     "--prefill-tokens must be at most --max-num-batched-tokens"),  # several steps, labelled one
+    (["profile", "--prefill-tokens", "40", "--input-len", "10", "--max-num-seqs", "3", "--batch-sizes", "1"],
+     "needs 4 requests; --max-num-seqs is 3"),
     (["compare-hf", "--repeats", "0"], "--repeats must be at least 1, got 0"),            # IndexError in median
     (["latency", "--num-gpu-blocks-override", "-1"], "num_gpu_blocks_override must be >= 2"),     # RuntimeError
     (["latency", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),         # "KV budget holds 1"

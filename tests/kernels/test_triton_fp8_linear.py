@@ -69,8 +69,9 @@ def test_linear_folds_the_producer(m: int) -> None:
         assert got.shape == (m, n) and rel_err(got, want) < 1e-2
 
 
-SHAPES = [(1, 4096, 4096), (1, 130, 1000), (3, 14336, 4096), (16, 4096, 14336), (17, 4096, 4096), (17, 130, 1000),
-          (64, 6144, 4096), (160, 4096, 4096), (300, 4096, 14336), (257, 1000, 576), (1100, 1000, 576)]
+SHAPES = [(1, 4096, 4096), (1, 130, 1000), (3, 14336, 4096), (16, 4096, 14336), (17, 4096, 4096),
+          (17, 130, 1000), (64, 6144, 4096), (100, 6144, 4096), (160, 4096, 4096), (300, 4096, 14336),
+          (257, 1000, 576), (1100, 1000, 576)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -86,6 +87,18 @@ def test_linear_matches_twin(m: int, n: int, k: int, dtype: torch.dtype) -> None
     out = quant_linear(x, qw.qweight, qw.scales, None, k, k, bias, residual=residual)
     assert out.dtype == dtype and out.shape == (m, n) and not out.isnan().any()
     assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("m", [65, 128, 160, 192])
+def test_mid_batches_dispatch_by_shape(m: int) -> None:
+    """65-192 rows (Llama-3-8B's matrices): cuBLAS on the wide qkv and gate/up, the K-splitting tiles on o and
+    down, where cuBLAS's unsplit 128 x 128 tiles are too few (the --fp8-gemm timings of docs/BENCHMARKS.md)."""
+    bf16 = torch.bfloat16
+    assert triton_fp8_linear.use_scaled_mm(m, 6144, 4096, bf16)
+    assert triton_fp8_linear.use_scaled_mm(m, 28672, 4096, bf16)
+    assert not triton_fp8_linear.use_scaled_mm(m, 4096, 4096, bf16)
+    assert not triton_fp8_linear.use_scaled_mm(m, 4096, 14336, bf16)
+    assert not triton_fp8_linear.use_scaled_mm(m, 6144, 4096, torch.float16)  # cuBLAS writes bf16 only
 
 
 @pytest.mark.parametrize("cfg", [MatmulConfig(64, 64, 128, split_k=3), MatmulConfig(128, 128, 128, num_warps=8),
@@ -117,5 +130,5 @@ def test_float32_logits_and_paths(m: int) -> None:
     got = quant_linear(x, qw.qweight, qw.scales, None, k, k, None, out_dtype=torch.float32)
     want = quant_ref.quant_linear(x, qw.qweight, qw.scales, None, k, k, None, out_dtype=torch.float64)
     assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5
-    fast = triton_fp8_linear.use_scaled_mm(m, n, k, torch.bfloat16, x.device)
+    fast = triton_fp8_linear.use_scaled_mm(m, n, k, torch.bfloat16)
     assert fast == (m >= triton_fp8_linear.SCALED_MM_MIN_ROWS)

@@ -2,8 +2,10 @@
 
 For each batch size: the host time of every engine phase per step (scheduling, batch building, forward launch,
 sampling including the wait for the device, token processing, outputs), the device's kernel time per step (torch
-profiler) and the idle gap between the two, the top kernels. Then the cost of a verify step of K+1 query tokens
-against a one-token step for one request: the bound on what speculative decoding can gain on this machine."""
+profiler) and the idle gap between the two, the top kernels. With --prefill-tokens, the same kernel list for a
+step that prefills that many prompt tokens (requests of --input-len, as the offline workload's first steps do).
+Then the cost of a verify step of K+1 query tokens against a one-token step for one request: the bound on what
+speculative decoding can gain on this machine."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +93,33 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, num_steps
     return row
 
 
+def profile_prefill(engine: LLMEngine, num_tokens: int, input_len: int, iters: int, top: int) -> dict[str, Any]:
+    """One step prefilling num_tokens prompt tokens (requests of input_len, the last one shorter), timed over
+    iters fresh sets of prompts (none shares a prefix with a cached one), then one more profiled."""
+    vocab = engine.model_config.vocab_size
+    lens = [input_len] * (num_tokens // input_len) + ([num_tokens % input_len] if num_tokens % input_len else [])
+
+    def one_step(seed: int) -> float:
+        for i, n in enumerate(lens):
+            engine.add_request(None, random_prompt(n, vocab, seed + i),
+                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        start = clock(engine.device)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return clock(engine.device) - start
+
+    one_step(20_000)  # first launches of this step's shapes
+    wall = median([one_step(30_000 + 1_000 * i) for i in range(iters)])
+    kernel_ms, kernels = 0.0, []
+    if engine.device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            one_step(90_000)
+            torch.cuda.synchronize()
+        kernel_ms, kernels = _device_kernel_ms(prof, top)
+    return {"num_tokens": num_tokens, "requests": len(lens), "wall_ms": 1000 * wall, "kernel_ms": kernel_ms,
+            "top_kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels]}
+
+
 def verify_cost(engine: LLMEngine, context_len: int, query_lens: list[int], iters: int) -> list[dict[str, Any]]:
     """One request with context_len tokens of cache: the forward of q query tokens (logits of all q) against q=1."""
     runner = engine.runner
@@ -122,7 +151,13 @@ def check_args(ns: argparse.Namespace) -> None:
     """Before the engine is built: zero steps divide by zero, a verify run longer than its context has
     negative positions, and a batch above max_num_seqs would be timed at max_num_seqs under its own label."""
     check_at_least(ns, {"batch_sizes": 1, "input_len": 1, "num_steps": 1, "top": 0, "verify_context": 1,
-                        "verify_query_lens": 1})
+                        "verify_query_lens": 1, "prefill_tokens": 0})
+    if ns.prefill_tokens > ns.max_num_batched_tokens:
+        raise ValueError(f"--prefill-tokens must be at most --max-num-batched-tokens ({ns.max_num_batched_tokens}) "
+                         f"to run in one step, got {ns.prefill_tokens}")
+    if -(-ns.prefill_tokens // ns.input_len) > ns.max_num_seqs:
+        raise ValueError(f"--prefill-tokens {ns.prefill_tokens} in requests of --input-len {ns.input_len} needs "
+                         f"{-(-ns.prefill_tokens // ns.input_len)} requests; --max-num-seqs is {ns.max_num_seqs}")
     if max(ns.batch_sizes) > ns.max_num_seqs:
         raise ValueError(f"--batch-sizes must be at most --max-num-seqs ({ns.max_num_seqs}), "
                          f"got {max(ns.batch_sizes)}")
@@ -137,7 +172,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(args)
     header = result_header("profile", args, engine.device, {
         "batch_sizes": ns.batch_sizes, "input_len": ns.input_len, "num_steps": ns.num_steps,
-        "verify_context": ns.verify_context, "verify_query_lens": ns.verify_query_lens})
+        "verify_context": ns.verify_context, "verify_query_lens": ns.verify_query_lens,
+        "prefill_tokens": ns.prefill_tokens})
     engine.kv_cache.reset_prefix_cache()
     rows = [profile_decode(engine, b, ns.input_len, ns.num_steps, ns.top) for b in ns.batch_sizes]
     print_table(rows, [("batch_size", "batch"), ("wall_ms", "wall ms"), ("kernel_ms", "kernels ms"),
@@ -148,11 +184,18 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         if r["top_kernels"]:
             print_table(r["top_kernels"], [("name", f"top kernels, batch {r['batch_size']}"),
                                            ("ms_per_step", "ms/step"), ("calls_per_step", "calls/step")])
+    prefill = profile_prefill(engine, ns.prefill_tokens, ns.input_len, 3, ns.top) if ns.prefill_tokens else None
+    if prefill:
+        print(f"prefill step, {prefill['num_tokens']} tokens in {prefill['requests']} requests: wall "
+              f"{prefill['wall_ms']:.2f} ms, kernels {prefill['kernel_ms']:.2f} ms")
+        if prefill["top_kernels"]:
+            print_table(prefill["top_kernels"], [("name", "top kernels, prefill step"), ("ms", "ms"),
+                                                 ("calls", "calls")])
     verify = verify_cost(engine, ns.verify_context, ns.verify_query_lens, ns.num_steps) if ns.verify_query_lens else []
     if verify:
         print_table(verify, [("query_len", "query tokens"), ("ms", "forward ms"), ("x_one_token", "x one token")],
                     title=f"verify step cost, one request with {ns.verify_context} tokens of context")
-    result = {**header, "decode": rows, "verify": verify}
+    result = {**header, "decode": rows, "prefill": prefill, "verify": verify}
     save_json(result, ns.out)
     return result
 
@@ -164,6 +207,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
     p.add_argument("--num-steps", type=int, default=50, help="profiled steps per batch (default: %(default)s)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per batch (default: %(default)s)")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="also profile one step prefilling this many prompt tokens in requests of --input-len "
+                        "(default: 0, none)")
     p.add_argument("--verify-context", type=int, default=512, help="context of the verify run (default: %(default)s)")
     p.add_argument("--verify-query-lens", type=int, nargs="*", default=[1, 2, 4, 6, 8],
                    help="query tokens per verify forward, the first is the baseline (default: 1 2 4 6 8)")

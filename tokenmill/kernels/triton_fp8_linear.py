@@ -13,12 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_gemv import num_sms
 from tokenmill.quant.formats import FP8_MAX
 
 TILE_ONLY_ROWS = 64              # up to this many rows the tile kernel's e4m3 dots beat cuBLAS on every matrix
-ONE_ROW_TILE = 128               # up to here cuBLAS computes one 128-row tile: use_scaled_mm's tile count decides
-SCALED_MM_MIN_ROWS = 193         # from here cuBLAS wins on every matrix (129-192: it pads to 256 rows, and loses)
+SCALED_MM_MIN_ROWS = 193         # from here cuBLAS wins on every matrix; between, on the wide ones (use_scaled_mm)
 ONE_PASS_MAX = 16384             # longest row read once (64 float32 registers a thread with 8 warps)
 ROW_BLOCK = 2048                 # longer rows: two passes of this many values at a time
 
@@ -117,24 +115,25 @@ def quantize_rows(x: torch.Tensor, dequantize: bool = False, *, rms_norm: tuple[
     return q, scales
 
 
-def use_scaled_mm(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
+def use_scaled_mm(m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
     """Where cuBLAS's rowwise FP8 GEMM applies and is the faster: bf16 output (the only one it writes with a
-    scale a row), sizes in multiples of 16, and rows enough that its 128 x 128 output tiles fill the GPU without
-    much padding; otherwise the tile kernel, which splits K to fill it, wins (`python -m tokenmill.quant.bench
-    --fp8-gemm` on the H200, Llama-3-8B's four matrices: 17-64 rows and 129-192 rows on every matrix, 128 rows on
-    all but gate/up, the one with 224 tiles; from 224 rows cuBLAS on every matrix). QuantLinear refuses FP8 on
-    GPUs older than compute capability 8.9."""
+    scale a row), sizes in multiples of 16, and rows enough that its 128-row output tiles are worth their padding;
+    otherwise the tile kernel, which splits K to fill the GPU, wins (`python -m tokenmill.quant.bench --fp8-gemm`
+    on the H200, Llama-3-8B's four matrices, cuBLAS with fast accumulation: the tile kernel at 17-64 rows on every
+    matrix; at 65-192 on the matrices with fewer outputs than inputs (o, down), which cuBLAS covers with too few
+    tiles and does not split; cuBLAS on qkv and gate/up there, and on every matrix from 193 rows). QuantLinear
+    refuses FP8 on GPUs older than compute capability 8.9."""
     if out_dtype != torch.bfloat16 or n % 16 or k % 16 or m <= TILE_ONLY_ROWS:
         return False
-    if m <= ONE_ROW_TILE:
-        return triton.cdiv(n, 128) >= num_sms(device.index or 0)
-    return m >= SCALED_MM_MIN_ROWS
+    return m >= SCALED_MM_MIN_ROWS or n > k
 
 
 def scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tensor,
-              bias: torch.Tensor | None, fast_accum: bool = False) -> torch.Tensor:
-    """(xq * x_scales) @ (qweight * w_scales).T + bias in bf16, float32 accumulation (fast_accum: the tensor
-    cores' narrower accumulator over the whole K, which the engine does not use; the benchmark times it)."""
+              bias: torch.Tensor | None, fast_accum: bool = True) -> torch.Tensor:
+    """(xq * x_scales) @ (qweight * w_scales).T + bias in bf16. fast_accum (the engine's): the tensor cores'
+    narrower accumulator over the whole of K, as vLLM's CUTLASS FP8 kernels on sm_90 (FP8FastAccum schedules)
+    accumulate; 8-13% faster from 1,024 rows and on gate/up (docs/BENCHMARKS.md). Without it, partial sums move
+    into float32 as the tile kernel's do; the benchmark times both."""
     return torch._scaled_mm(xq, qweight.t(), scale_a=x_scales.view(-1, 1), scale_b=w_scales.view(1, -1),
                             bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)

@@ -261,7 +261,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     x_scales = None
     if fp8:
         x2, x_scales = triton_fp8_linear.quantize_rows(x2, **prologue)
-        if config is None and triton_fp8_linear.use_scaled_mm(m, n, k, out_dtype, x.device):
+        if config is None and triton_fp8_linear.use_scaled_mm(m, n, k, out_dtype):
             y = triton_fp8_linear.scaled_mm(x2, x_scales, qweight, scales, bias)
             return (y if residual is None else y.add_(residual)).view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)

@@ -50,7 +50,7 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune
         dispatched = fmt.fp8 and m > SKINNY_M  # FP8's own dispatch: e4m3 tiles or cuBLAS beyond 16 rows
         ms = median_ms(lambda args=args, tile=None if dispatched else tile: quant_linear(*args, tile))
         label = describe(pick_config(m, n, k, x.device, fmt.fp8) if dispatched else tile)
-        if dispatched and triton_fp8_linear.use_scaled_mm(m, n, k, x.dtype, x.device):
+        if dispatched and triton_fp8_linear.use_scaled_mm(m, n, k, x.dtype):
             label = "cuBLAS FP8"
         rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, label))
         if tune:
