@@ -97,22 +97,28 @@ def bench_decode_step(num_seqs: int, ctx: int, table_ctx: int = 0, block_size: i
                 bytes_moved=kv_bytes)
 
 
-def bench_prefill(seq_len: int = 8192, block_size: int = 16) -> dict:
-    k_cache, v_cache, tables = _paged_kv(1, seq_len, block_size)
-    q = torch.randn(seq_len, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    starts = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
-    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
+def bench_prefill(seq_len: int = 8192, block_size: int = 16, num_seqs: int = 1,
+                  kv_dtype: torch.dtype = DTYPE) -> dict:
+    """num_seqs prompts of seq_len tokens in one varlen launch (the offline workload's prefill steps: ~11 prompts
+    of ~800 in 8,192 tokens), against torch's flash SDPA on the same keys and values laid out densely in bf16."""
+    k_cache, v_cache, tables = _paged_kv(num_seqs, seq_len, block_size, kv_dtype)
+    q = torch.randn(num_seqs * seq_len, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * seq_len
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
     ms = median_ms(lambda: triton_ops.paged_attention(q, k_cache, v_cache, starts, seq_lens, tables,
                                                       HEAD_DIM ** -0.5, seq_len))
-    # Reference: torch's flash SDPA on the same data laid out densely (kv heads repeated).
     group = NUM_HEADS // NUM_KV_HEADS
-    k = k_cache[tables[0].long()].flatten(0, 1).transpose(0, 1).repeat_interleave(group, 0)[None]
-    v = v_cache[tables[0].long()].flatten(0, 1).transpose(0, 1).repeat_interleave(group, 0)[None]
-    qd = q.transpose(0, 1)[None]
+
+    def dense(cache: torch.Tensor) -> torch.Tensor:  # [seqs, heads, seq_len, d], kv heads repeated
+        return cache[tables.long()].to(DTYPE).flatten(1, 2).transpose(1, 2).repeat_interleave(group, 1)
+
+    k, v = dense(k_cache), dense(v_cache)
+    qd = q.view(num_seqs, seq_len, NUM_HEADS, HEAD_DIM).transpose(1, 2)
     ref_ms = median_ms(lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True))
-    flops = 4 * NUM_HEADS * HEAD_DIM * seq_len * (seq_len + 1) // 2
-    return _row(f"paged_attention prefill (block {block_size})", f"1 x {seq_len} prompt", ms, ref_ms,
-                flops=flops, ref_name="dense flash SDPA")
+    flops = num_seqs * 4 * NUM_HEADS * HEAD_DIM * seq_len * (seq_len + 1) // 2
+    cache = ", e4m3 KV" if kv_dtype == torch.float8_e4m3fn else ""
+    return _row(f"paged_attention prefill (block {block_size}{cache})", f"{num_seqs} x {seq_len} prompt", ms,
+                ref_ms, flops=flops, ref_name="dense flash SDPA")
 
 
 def bench_elementwise(num_tokens: int) -> list[dict]:
@@ -174,17 +180,23 @@ def _print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["decode", "prefill", "elementwise"], help="time one group of kernels")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     torch.manual_seed(0)
     fp8 = torch.float8_e4m3fn
-    rows = [bench_decode(), bench_decode(block_size=32), bench_decode(kv_dtype=fp8), bench_decode(256, 1024),
-            bench_decode(256, 1024, kv_dtype=fp8), bench_decode_step(1, 150, table_ctx=8192),
-            bench_decode_step(1, 4000, table_ctx=8192), bench_decode_step(64, 4096), bench_decode_step(256, 1024),
-            bench_prefill()]
-    rows += bench_elementwise(8192) + bench_elementwise(64)
+    groups = {
+        "decode": lambda: [bench_decode(), bench_decode(block_size=32), bench_decode(kv_dtype=fp8),
+                           bench_decode(256, 1024), bench_decode(256, 1024, kv_dtype=fp8),
+                           bench_decode_step(1, 150, table_ctx=8192), bench_decode_step(1, 4000, table_ctx=8192),
+                           bench_decode_step(64, 4096), bench_decode_step(256, 1024)],
+        "prefill": lambda: [bench_prefill(), bench_prefill(num_seqs=11, seq_len=800),
+                            bench_prefill(num_seqs=11, seq_len=800, kv_dtype=fp8)],
+        "elementwise": lambda: bench_elementwise(8192) + bench_elementwise(64),
+    }
+    rows = [row for name, rows_of in groups.items() if args.only in (None, name) for row in rows_of()]
     _print_table(rows)
     if args.out:
         with open(args.out, "w") as f:
