@@ -99,6 +99,25 @@ def test_prefill(lens, block_size: int, num_heads: int, num_kv_heads: int, head_
     assert out.dtype == dtype and rel_err(out, reference_attention(case)) < TOL[dtype]
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9), reason="e4m3 conversions need sm_89 or later")
+@pytest.mark.parametrize("lens,block_size,num_heads,num_kv_heads,head_dim", [
+    (([800] * 5 + [192], [800] * 5 + [192]), 16, 32, 8, 128),   # an offline prefill step's prompts, unmasked tiles
+    (([300, 1000], [37, 1000]), 32, 16, 2, 64),                  # chunks after a cached prefix
+    (([129, 5], [129, 5]), 16, 8, 8, 128),                       # tails shorter than a key tile
+])
+def test_prefill_on_e4m3_cache(lens, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Prefill attention reading an e4m3 cache (kv_cache_dtype="fp8"), against float64 attention over the values
+    the cache holds."""
+    case = make_case(*lens, num_heads, num_kv_heads, head_dim, block_size, BF16, "cuda", seed=head_dim,
+                     garbage=float("nan"))
+    fp8 = torch.float8_e4m3fn
+    case.k_cache, case.v_cache = case.k_cache.to(fp8), case.v_cache.to(fp8)
+    case.keys = [k.to(fp8).double() for k in case.keys]
+    case.values = [v.to(fp8).double() for v in case.values]
+    out = _attend(case)
+    assert out.dtype == BF16 and rel_err(out, reference_attention(case)) < TOL[BF16]
+
+
 def test_short_block_table_stays_in_bounds() -> None:
     """The runner's memory-profiling forward attends over 300 tokens through a one-entry table."""
     k_cache = torch.zeros(2, 16, 2, 64, dtype=BF16, device="cuda")

@@ -310,13 +310,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
         col = offs_n // BLOCK_SIZE
         block = tl.load(table + col, mask=col < table_cols, other=0).to(tl.int64)
         kv_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
+        k = _kv_tile(k_cache_ptr + kv_off[:, None] + offs_d[None, :], d_mask[None, :], q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
+        v = _kv_tile(v_cache_ptr + kv_off[:, None] + offs_d[None, :], d_mask[None, :], q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     for n0 in range(full_end, end, BLOCK_N):
