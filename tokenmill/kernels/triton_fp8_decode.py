@@ -41,8 +41,11 @@ MAX_GROUP = 8  # query heads a KV head: the 8 columns of the mma
 # Partitions (triton_split.py): multiples of min_partition tokens (a power of two of at least two chunks, one trip
 # of the loop), at most max_partition, a context cut into enough of them for about programs_per_sm one-warp
 # programs a multiprocessor, into at most max_splits unless partitions of max_partition need more. Searched on the
-# H200 (docs/BENCHMARKS.md).
-FP8_DECODE_CFG = {"max_partition": 512, "min_partition": 128, "programs_per_sm": 8, "max_splits": 64}
+# H200 (docs/BENCHMARKS.md); max_partition 1024 rather than 512 since 2026-12-02: at 128 registers a thread an SM
+# holds 16 of these warps, and a batch that fills the GPU by itself (129 sequences and more) then runs a context
+# of up to 1,024 tokens in one program, one wave and no merge (offline workload: its steps at 129-192 and 193-256
+# sequences 8.56 -> 8.22 and 9.51 -> 9.32 ms).
+FP8_DECODE_CFG = {"max_partition": 1024, "min_partition": 128, "programs_per_sm": 8, "max_splits": 64}
 _partition_len = gluon.jit(triton_split.partition_len.fn)
 
 
