@@ -115,7 +115,7 @@ fp8() {
             --out "$OUT_DIR/profile_w$q.json"
     done
     step "throughput fp8" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
-        --sweep max_num_batched_tokens=8192 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
+        --sweep max_num_batched_tokens=8192,16384 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
         --out "$OUT_DIR/throughput_fp8.json"
 }
 for section in $SECTIONS; do
