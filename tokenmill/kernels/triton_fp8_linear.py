@@ -120,7 +120,7 @@ def use_scaled_mm(m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
     scale a row), sizes in multiples of 16, and rows enough that its 128-row output tiles are worth their padding;
     otherwise the tile kernel, which splits K to fill the GPU, wins (`python -m tokenmill.quant.bench --fp8-gemm`
     on the H200, Llama-3-8B's four matrices, cuBLAS with fast accumulation: the tile kernel at 17-64 rows on every
-    matrix; at 65-192 on the matrices with fewer outputs than inputs (o, down), which cuBLAS covers with too few
+    matrix; at 65-192 on the matrices with no more outputs than inputs (o, down), which cuBLAS covers with too few
     tiles and does not split; cuBLAS on qkv and gate/up there, and on every matrix from 193 rows). QuantLinear
     refuses FP8 on GPUs older than compute capability 8.9."""
     if out_dtype != torch.bfloat16 or n % 16 or k % 16 or m <= TILE_ONLY_ROWS:
