@@ -56,10 +56,11 @@ def test_forced_preemption_keeps_output(chat_prompt_ids, reference):
 
 
 def _prefill_rows_match_decode_rows() -> bool:
-    """Whether this CPU's float32 SDPA gives a query row the same bits inside a prefill's block of rows as in a
-    short query run, which attends row by row like decode (torch_ref.ROW_WISE_MAX_QUERY). It did on the AVX-512
-    machine this test was written on; on an AVX2-only one the last bits differ, so the tail of a chunked prompt
-    differs from the same rows of the whole prompt, and in bf16 that can flip a near-tie."""
+    """Whether this CPU's float32 SDPA (bf16 models' attention) gives a query row the same bits inside a
+    prefill's block of rows as in a short query run, which attends row by row like decode
+    (torch_ref.ROW_WISE_MAX_QUERY). It did on the AVX-512 machine this test was written on; on an AVX2-only one
+    the last bits differ, so the tail of a chunked prompt differs from the same rows of the whole prompt, and in
+    bf16 that can flip a near-tie."""
     from tokenmill.kernels import torch_ref
     gen = torch.Generator().manual_seed(0)
     n, heads, kv_heads, dim, block = 35, 9, 3, 64, 16
@@ -68,10 +69,12 @@ def _prefill_rows_match_decode_rows() -> bool:
     v_cache = torch.randn(4, block, kv_heads, dim, generator=gen)
     table = torch.tensor([[1, 2, 3]], dtype=torch.int32)
     seq_lens = torch.tensor([n], dtype=torch.int32)
-    whole = torch_ref.paged_attention(q, k_cache, v_cache, torch.tensor([0, n], dtype=torch.int32), seq_lens, table,
-                                      dim ** -0.5, n)
-    tail = torch_ref.paged_attention(q[32:], k_cache, v_cache, torch.tensor([0, 3], dtype=torch.int32), seq_lens,
-                                     table, dim ** -0.5, 3)
+    with pytest.MonkeyPatch.context() as m:  # the float32 kernel itself (float32 queries attend in float64)
+        m.setattr(torch_ref, "_work_dtype", lambda dtype: torch.float32)
+        whole = torch_ref.paged_attention(q, k_cache, v_cache, torch.tensor([0, n], dtype=torch.int32), seq_lens,
+                                          table, dim ** -0.5, n)
+        tail = torch_ref.paged_attention(q[32:], k_cache, v_cache, torch.tensor([0, 3], dtype=torch.int32),
+                                         seq_lens, table, dim ** -0.5, 3)
     return torch.equal(whole[32:], tail)
 
 
@@ -91,14 +94,24 @@ def test_cpu_fast_path_batched_equals_alone(chat_prompt_ids, extra):
     outs = LLM(**fast, **extra).generate(chat_prompt_ids, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == alone
 
-@pytest.mark.parametrize("extra", [dict(), dict(max_num_batched_tokens=16)], ids=["batched", "chunked"])
-def test_fp8_batched_equals_alone(chat_prompt_ids, extra):
-    """FP8 weights and per-token activations in float32: a prompt's greedy tokens do not depend on its batch or
-    its chunking. e4m3 rounds each layer's input to 3 mantissa bits, so a last-bit difference upstream can become
-    another token (the twin's float32 GEMM gave one or two rows other bits and did: kernels/quant_ref.fp8_linear).
-    Block sizes, short chunks and prefix-cache hits are left out: they move attention's last bits (ARCHITECTURE.md,
-    batch invariance on the CPU), which float32 greedy decoding absorbs and e4m3 need not."""
+@pytest.fixture(scope="module")
+def fp8_alone(chat_prompt_ids):
+    """FP8 weights in float32: an engine and each prompt's greedy tokens run alone on it."""
     llm = LLM(dtype="float32", quantization="fp8")
-    alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in chat_prompt_ids]
-    outs = LLM(dtype="float32", quantization="fp8", **extra).generate(chat_prompt_ids, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == alone
+    return llm, [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in chat_prompt_ids]
+
+
+@pytest.mark.parametrize("extra", [None, dict(), dict(max_num_batched_tokens=16), dict(block_size=32),
+                                   dict(enable_prefix_caching=False, max_num_batched_tokens=7)],
+                         ids=["prefix-hits", "batched", "chunked", "block32", "short-chunks"])
+def test_fp8_batched_equals_alone(chat_prompt_ids, fp8_alone, extra):
+    """FP8 weights and per-token activations in float32: a prompt's greedy tokens do not depend on its batch, its
+    chunking, the block size or prefix-cache hits (None: the same prompts again on the engine that cached them).
+    e4m3 rounds each layer's input to 3 mantissa bits, so a last-bit difference upstream can become another
+    token: the twin's FP8 GEMM sums in float64 (kernels/quant_ref.fp8_linear) and float32 attention runs in
+    float64 (kernels/torch_ref._work_dtype); with float32 attention, block size 32, 7-token chunks and prefix hits
+    each changed a prompt's tokens."""
+    llm, alone = fp8_alone
+    if extra is not None:
+        llm = LLM(dtype="float32", quantization="fp8", **extra)
+    assert [o.outputs[0].token_ids for o in llm.generate(chat_prompt_ids, GREEDY)] == alone

@@ -106,21 +106,32 @@ def _query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     return row_seq_lens, block_tables[seq_of_row]
 
 
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What attention computes in: float64 for float32 queries, float32 for 16-bit ones. A float32 row then gets
+    its float64 result rounded once, so the last bits that SDPA's blocking moves (with the batch, the key count,
+    a chunk or a prefix-cache hit, the thread count) stay below float32's: float32 greedy output, FP8's too
+    (where e4m3 rounds the next layer's input and would turn such bits into other tokens), does not depend on
+    them. 16-bit models keep the float32 kernel (the fast path: its float64 one costs 20-45% of a step)."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Lq, H, D], k/v [B, Lk, Hkv, D], mask [B, Lq, Lk] (True = attend) -> [B, Lq, H, D].
 
-    In float32 through torch's SDPA with grouped heads (K/V never repeated): on the CPU its float32 kernel is
-    2-3x faster than explicit matmuls, while its 16-bit one with a mask falls back to a slow path. Its result
+    Through torch's SDPA with grouped heads (K/V never repeated), in _work_dtype: on the CPU its float32 kernel
+    is 2-3x faster than explicit matmuls, while its 16-bit one with a mask falls back to a slow path. Its result
     for a row changes in the last bits with the number of keys it is given, but not between key counts that
     are multiples of 64 (masked keys add exactly nothing there), so keys are padded to a multiple of KV_PAD:
-    with one thread a row's output then does not depend on its batch-mates' context lengths. (With several
-    threads the kernel also splits work by batch size, and the query blocking changes with the number of
-    query rows, e.g. after a prefix-cache hit: bit-for-bit batch invariance is not guaranteed there.)"""
+    with one thread a row's float32 output then does not depend on its batch-mates' context lengths. (With
+    several threads the kernel also splits work by batch size, and the query blocking changes with the number
+    of query rows, e.g. after a prefix-cache hit: for 16-bit models bit-for-bit batch invariance is not
+    guaranteed there.)"""
     pad = -k.shape[1] % KV_PAD
-    kf, vf = k.float(), v.float()
+    work = _work_dtype(q.dtype)
+    kf, vf = k.to(work), v.to(work)
     if pad:
         kf, vf, mask = F.pad(kf, (0, 0, 0, 0, 0, pad)), F.pad(vf, (0, 0, 0, 0, 0, pad)), F.pad(mask, (0, pad))
-    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2),
+    o = F.scaled_dot_product_attention(q.to(work).transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2),
                                        attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
 
@@ -141,8 +152,10 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tables, mask, num_keys = _decode.get((seq_lens, block_tables), layout)
     k = _gather_blocks(k_cache, tables).view(num_seqs, num_keys, k_cache.shape[2], -1)
     v = _gather_blocks(v_cache, tables).view(num_seqs, num_keys, v_cache.shape[2], -1)
-    o = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[2])
+    work = _work_dtype(q.dtype)
+    o = F.scaled_dot_product_attention(q.to(work).unsqueeze(2), k.to(work).transpose(1, 2),
+                                       v.to(work).transpose(1, 2), attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[2])
     return o.squeeze(2).to(q.dtype)
 
 
