@@ -60,6 +60,15 @@ def make_case(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv
                      keys=keys, values=values, query_lens=list(query_lens), scale=head_dim ** -0.5)
 
 
+def as_e4m3(case: PagedCase) -> PagedCase:
+    """The case with its caches in e4m3 (kv_cache_dtype="fp8") and its dense answer over what they hold."""
+    fp8 = torch.float8_e4m3fn
+    case.k_cache, case.v_cache = case.k_cache.to(fp8), case.v_cache.to(fp8)
+    case.keys = [k.to(fp8).double() for k in case.keys]
+    case.values = [v.to(fp8).double() for v in case.values]
+    return case
+
+
 def reference_attention(case: PagedCase) -> torch.Tensor:
     """Dense causal attention in float64, one sequence at a time, kv heads repeated per query head."""
     q = case.q.double()

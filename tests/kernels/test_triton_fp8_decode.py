@@ -15,12 +15,11 @@ if not torch.cuda.is_available():
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("e4m3 conversions need sm_89 or later", allow_module_level=True)
 
-from paged_cases import PagedCase, make_case, reference_attention, rel_err  # noqa: E402
+from paged_cases import PagedCase, as_e4m3, make_case, reference_attention, rel_err  # noqa: E402
 from tokenmill.kernels import triton_fp8_decode, triton_ops  # noqa: E402
 from tokenmill.kernels.triton_arrive import counters  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
-FP8 = torch.float8_e4m3fn
 
 # batch, longest context, block size, query heads, kv heads, head dim, query dtype
 CASES = [
@@ -41,12 +40,8 @@ def _fp8_case(batch: int, max_ctx: int, block_size: int, num_heads: int, num_kv_
               dtype: torch.dtype, seq_lens: list[int] | None = None, table_width: int = 0) -> PagedCase:
     rng = random.Random(batch * max_ctx + head_dim)
     seq_lens = seq_lens or [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
-    case = make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda",
-                     seed=batch + max_ctx, garbage=float("nan"), table_width=table_width)
-    case.k_cache, case.v_cache = case.k_cache.to(FP8), case.v_cache.to(FP8)
-    case.keys = [k.to(FP8).double() for k in case.keys]  # the dense float64 answer of what the cache holds
-    case.values = [v.to(FP8).double() for v in case.values]
-    return case
+    return as_e4m3(make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda",
+                             seed=batch + max_ctx, garbage=float("nan"), table_width=table_width))
 
 
 def _args(case: PagedCase) -> tuple:

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("Triton kernels need CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from paged_cases import make_case, reference_attention, rel_err  # noqa: E402
+from paged_cases import as_e4m3, make_case, reference_attention, rel_err  # noqa: E402
 from tokenmill.kernels import OP_NAMES, get_ops, torch_ref, triton_ops  # noqa: E402
 from tokenmill.kernels.triton_arrive import counters
 
@@ -108,12 +108,8 @@ def test_prefill(lens, block_size: int, num_heads: int, num_kv_heads: int, head_
 def test_prefill_on_e4m3_cache(lens, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     """Prefill attention reading an e4m3 cache (kv_cache_dtype="fp8"), against float64 attention over the values
     the cache holds."""
-    case = make_case(*lens, num_heads, num_kv_heads, head_dim, block_size, BF16, "cuda", seed=head_dim,
-                     garbage=float("nan"))
-    fp8 = torch.float8_e4m3fn
-    case.k_cache, case.v_cache = case.k_cache.to(fp8), case.v_cache.to(fp8)
-    case.keys = [k.to(fp8).double() for k in case.keys]
-    case.values = [v.to(fp8).double() for v in case.values]
+    case = as_e4m3(make_case(*lens, num_heads, num_kv_heads, head_dim, block_size, BF16, "cuda", seed=head_dim,
+                             garbage=float("nan")))
     out = _attend(case)
     assert out.dtype == BF16 and rel_err(out, reference_attention(case)) < TOL[BF16]
 

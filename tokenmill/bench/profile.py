@@ -155,9 +155,10 @@ def check_args(ns: argparse.Namespace) -> None:
     if ns.prefill_tokens > ns.max_num_batched_tokens:
         raise ValueError(f"--prefill-tokens must be at most --max-num-batched-tokens ({ns.max_num_batched_tokens}) "
                          f"to run in one step, got {ns.prefill_tokens}")
-    if -(-ns.prefill_tokens // ns.input_len) > ns.max_num_seqs:
+    prefill_requests = -(-ns.prefill_tokens // ns.input_len)
+    if prefill_requests > ns.max_num_seqs:
         raise ValueError(f"--prefill-tokens {ns.prefill_tokens} in requests of --input-len {ns.input_len} needs "
-                         f"{-(-ns.prefill_tokens // ns.input_len)} requests; --max-num-seqs is {ns.max_num_seqs}")
+                         f"{prefill_requests} requests; --max-num-seqs is {ns.max_num_seqs}")
     if max(ns.batch_sizes) > ns.max_num_seqs:
         raise ValueError(f"--batch-sizes must be at most --max-num-seqs ({ns.max_num_seqs}), "
                          f"got {max(ns.batch_sizes)}")
