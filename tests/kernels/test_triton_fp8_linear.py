@@ -1,8 +1,7 @@
 """The FP8 linear on the GPU against its torch twin (skipped without CUDA): activations quantized per row bit for
 bit as the twin does (rows read once or, past 16,384 values, twice), and the product through every launch path
 (the GEMV at one row, the tile kernel's float16 dots up to 16 rows or for float32 output, its e4m3 dots beyond,
-the TMA kernel on o and down at 193-256 rows, cuBLAS's rowwise FP8 GEMM for the rest of bf16 output), with bias
-and residual, odd shapes and every dtype."""
+cuBLAS's rowwise FP8 GEMM for prefill-sized bf16 output), with bias and residual, odd shapes and every dtype."""
 from __future__ import annotations
 
 import pytest
@@ -71,8 +70,8 @@ def test_linear_folds_the_producer(m: int) -> None:
 
 
 SHAPES = [(1, 4096, 4096), (1, 130, 1000), (3, 14336, 4096), (16, 4096, 14336), (17, 4096, 4096),
-          (17, 130, 1000), (64, 6144, 4096), (100, 6144, 4096), (160, 4096, 4096), (200, 4096, 4096), (256, 4096, 14336),
-          (300, 4096, 14336), (257, 1000, 576), (1100, 1000, 576)]
+          (17, 130, 1000), (64, 6144, 4096), (100, 6144, 4096), (160, 4096, 4096), (300, 4096, 14336),
+          (257, 1000, 576), (1100, 1000, 576)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -90,18 +89,16 @@ def test_linear_matches_twin(m: int, n: int, k: int, dtype: torch.dtype) -> None
     assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("m", [65, 128, 160, 192, 193, 256, 257])
-def test_decode_batches_dispatch_by_shape(m: int) -> None:
-    """65-256 rows (Llama-3-8B's matrices): cuBLAS on the wide qkv and gate/up; on o and down, which cuBLAS covers
-    with too few unsplit tiles, the K-splitting tiles to 192 rows and the TMA kernel to 256; cuBLAS on all four
-    beyond (the --fp8-gemm timings of docs/BENCHMARKS.md)."""
+@pytest.mark.parametrize("m", [65, 128, 160, 192])
+def test_mid_batches_dispatch_by_shape(m: int) -> None:
+    """65-192 rows (Llama-3-8B's matrices): cuBLAS on the wide qkv and gate/up, the K-splitting tiles on o and
+    down, where cuBLAS's unsplit 128 x 128 tiles are too few (the --fp8-gemm timings of docs/BENCHMARKS.md)."""
     bf16 = torch.bfloat16
-    square = "tiles" if m <= 192 else "tma" if m <= 256 else "scaled_mm"
-    assert triton_fp8_linear.fp8_kernel(m, 6144, 4096, bf16) == "scaled_mm"
-    assert triton_fp8_linear.fp8_kernel(m, 28672, 4096, bf16) == "scaled_mm"
-    assert triton_fp8_linear.fp8_kernel(m, 4096, 4096, bf16) == square
-    assert triton_fp8_linear.fp8_kernel(m, 4096, 14336, bf16) == square
-    assert triton_fp8_linear.fp8_kernel(m, 6144, 4096, torch.float16) == "tiles"  # cuBLAS writes bf16 only
+    assert triton_fp8_linear.use_scaled_mm(m, 6144, 4096, bf16)
+    assert triton_fp8_linear.use_scaled_mm(m, 28672, 4096, bf16)
+    assert not triton_fp8_linear.use_scaled_mm(m, 4096, 4096, bf16)
+    assert not triton_fp8_linear.use_scaled_mm(m, 4096, 14336, bf16)
+    assert not triton_fp8_linear.use_scaled_mm(m, 6144, 4096, torch.float16)  # cuBLAS writes bf16 only
 
 
 @pytest.mark.parametrize("cfg", [MatmulConfig(64, 64, 128, split_k=3), MatmulConfig(128, 128, 128, num_warps=8),
@@ -122,10 +119,10 @@ def test_e4m3_dot_configs(cfg: MatmulConfig) -> None:
         assert got.dtype == torch.bfloat16 and not got.isnan().any() and rel_err(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("m", [1, 16, 17, 64, 65])
+@pytest.mark.parametrize("m", [1, 16, 17, 64, triton_fp8_linear.SCALED_MM_MIN_ROWS])
 def test_float32_logits_and_paths(m: int) -> None:
-    """A quantized LM head's float32 output runs the tile kernel at every M; bf16 output of a matrix wider than
-    its inputs takes cuBLAS's FP8 GEMM from 65 rows, fewer the tile kernel's e4m3 dots (decode batches)."""
+    """A quantized LM head's float32 output runs the tile kernel at every M; bf16 output from SCALED_MM_MIN_ROWS
+    rows takes cuBLAS's FP8 GEMM (prefill), fewer the tile kernel's e4m3 dots (decode batches)."""
     n, k = 1024, 576
     gen = torch.Generator(device="cuda").manual_seed(m)
     qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, FP8)
@@ -133,5 +130,5 @@ def test_float32_logits_and_paths(m: int) -> None:
     got = quant_linear(x, qw.qweight, qw.scales, None, k, k, None, out_dtype=torch.float32)
     want = quant_ref.quant_linear(x, qw.qweight, qw.scales, None, k, k, None, out_dtype=torch.float64)
     assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5
-    kernel = triton_fp8_linear.fp8_kernel(m, n, k, torch.bfloat16)
-    assert kernel == ("scaled_mm" if m > triton_fp8_linear.TILE_ONLY_ROWS else "tiles")
+    fast = triton_fp8_linear.use_scaled_mm(m, n, k, torch.bfloat16)
+    assert fast == (m >= triton_fp8_linear.SCALED_MM_MIN_ROWS)

@@ -2,8 +2,8 @@
 cuBLAS's rowwise-scaled FP8 GEMM (`torch._scaled_mm`) for the rows the tensor cores are worth it for.
 
 A row's scale is max|row| / 448 and every division is IEEE (div_rn), so the e4m3 values equal the torch twin's
-(quant_ref.quantize_fp8_rows) bit for bit. Decode batches go to triton_quant's tile kernel or triton_fp8_gemm's
-instead (fp8_kernel says where), which reads the same e4m3 x and W and scales the same float32 sums, and one row to the GEMV
+(quant_ref.quantize_fp8_rows) bit for bit. Decode batches go to triton_quant's tile kernel instead (use_scaled_mm
+says where), which reads the same e4m3 x and W and scales the same float32 sums, and one row to the GEMV
 (triton_gemv.py), which reads x scaled back to float32: cuBLAS's FP8 GEMM at one row is slower than bf16's GEMV
 (docs/BENCHMARKS.md).
 """
@@ -16,9 +16,8 @@ import triton.language as tl
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 from tokenmill.quant.formats import FP8_MAX
 
-TILE_ONLY_ROWS = 64              # up to this many rows the tile kernel's e4m3 dots are the fastest on every matrix
-TILE_MAX_ROWS = 192              # o and down (fp8_kernel): the tiles up to here, then the TMA kernel
-TMA_MAX_ROWS = 256               # ... up to here, then cuBLAS
+TILE_ONLY_ROWS = 64              # up to this many rows the tile kernel's e4m3 dots beat cuBLAS on every matrix
+SCALED_MM_MIN_ROWS = 193         # from here cuBLAS wins on every matrix; between, on the wide ones (use_scaled_mm)
 ONE_PASS_MAX = 16384             # longest row read once (64 float32 registers a thread with 8 warps)
 ROW_BLOCK = 2048                 # longer rows: two passes of this many values at a time
 
@@ -120,21 +119,17 @@ def quantize_rows(x: torch.Tensor, dequantize: bool = False, *, rms_norm: tuple[
     return q, scales
 
 
-def fp8_kernel(m: int, n: int, k: int, out_dtype: torch.dtype) -> str:
-    """Which kernel multiplies m quantized rows by an [n, k] e4m3 weight, the faster one where it applies
-    (`python -m tokenmill.quant.bench --fp8-gemm` on the H200, Llama-3-8B's four matrices, docs/BENCHMARKS.md):
-    "tiles" (triton_quant's tile kernel: float32 output, sizes not multiples of 16, up to TILE_ONLY_ROWS rows on
-    every matrix, up to TILE_MAX_ROWS on o and down), "tma" (triton_fp8_gemm's, TMA-fed and K-split: o and down,
-    no more outputs than inputs, at 193-256 rows, where cuBLAS covers 4,096 outputs with 32-64 unsplit tiles:
-    down at 256 rows 42.6 against 49.8 µs, quantization included) or "scaled_mm" (cuBLAS's rowwise FP8 GEMM,
-    bf16 output only: qkv and gate/up from 65 rows, every matrix beyond TMA_MAX_ROWS). QuantLinear refuses FP8
-    on GPUs older than compute capability 8.9; without TMA (before sm_90) quant_linear runs the tiles where this
-    says "tma"."""
+def use_scaled_mm(m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
+    """Where cuBLAS's rowwise FP8 GEMM applies and is the faster: bf16 output (the only one it writes with a
+    scale a row), sizes in multiples of 16, and rows enough that its 128-row output tiles are worth their padding;
+    otherwise the tile kernel, which splits K to fill the GPU, wins (`python -m tokenmill.quant.bench --fp8-gemm`
+    on the H200, Llama-3-8B's four matrices, cuBLAS with fast accumulation: the tile kernel at 17-64 rows on every
+    matrix; at 65-192 on the matrices with no more outputs than inputs (o, down), which cuBLAS covers with too few
+    tiles and does not split; cuBLAS on qkv and gate/up there, and on every matrix from 193 rows). QuantLinear
+    refuses FP8 on GPUs older than compute capability 8.9."""
     if out_dtype != torch.bfloat16 or n % 16 or k % 16 or m <= TILE_ONLY_ROWS:
-        return "tiles"
-    if n > k or m > TMA_MAX_ROWS:
-        return "scaled_mm"
-    return "tma" if m > TILE_MAX_ROWS else "tiles"
+        return False
+    return m >= SCALED_MM_MIN_ROWS or n > k
 
 
 def scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tensor,

@@ -7,7 +7,7 @@ triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. FP8 (e4m
 row first (triton_fp8_linear.py); from 17 rows its tiles multiply e4m3 by e4m3 on the tensor cores, and where
 cuBLAS's 128 x 128 tiles fill the GPU (bf16 output) its FP8 GEMM runs instead. Otherwise one kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles, the
-row tiles of one weight tile side by side (triton_tiles.tile_coords).
+row tiles of one weight tile side by side (_tile_coords).
 Either way, when the tiles are too few to fill the GPU the K loop is split over programs, and the split that
 finishes last adds the fp32 partial sums in split order (triton_arrive.py), so results are deterministic.
 
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import quant_ref, triton_fp8_gemm, triton_fp8_linear, triton_int4_mma
-from tokenmill.kernels.triton_arrive import counters
+from tokenmill.kernels import quant_ref, triton_fp8_linear, triton_int4_mma
+from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     WIDE_N,
     group_param,
@@ -36,7 +36,6 @@ from tokenmill.kernels.triton_gemv import (
     sub_tile,
 )
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
-from tokenmill.kernels.triton_tiles import finish_tile, tile_coords
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class MatmulConfig:
     # FP8 on tensor cores only: accumulate a whole K loop in wgmma's accumulator (cuBLAS's "fast accumulation",
     # fewer bits kept) instead of moving the partial sums into float32 every sub-tile
     fast_accum: bool = False
-    group_m: int = 8  # row tiles that share one weight tile run side by side (triton_tiles.tile_coords)
+    group_m: int = 8  # row tiles that share one weight tile run side by side (_tile_coords)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -73,7 +72,7 @@ SKINNY_M = 16
 SKINNY = MatmulConfig(16, 32, 256, num_warps=4, num_stages=4)
 GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
 # FP8 beyond 16 rows multiplies e4m3 by e4m3 on the tensor cores (FP8_DOT_MIN_M rows a tile at least: wgmma's)
-# where triton_fp8_linear.fp8_kernel picks them; (most rows, config) by rows, the best of
+# where cuBLAS's FP8 GEMM is slower (triton_fp8_linear.use_scaled_mm); (most rows, config) by rows, the best of
 # `python -m tokenmill.quant.bench --fp8-gemm --tune` on the H200 (docs/BENCHMARKS.md, 2026-12-02). float32
 # output (a quantized LM head's logits) keeps float16 dots: wgmma sums e4m3 products in fewer bits than float32's
 # between its promotions into the float32 accumulator.
@@ -109,7 +108,7 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
     pdl_wait(PDL)  # x is the kernel before's output
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = (offs_m < M)[:, None]
@@ -169,8 +168,37 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
     pdl_release(PDL)  # the next kernel's programs wait beside this one's epilogue, not its main loop
     out_mask = m_mask & (offs_n < N)[None, :]
     out_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    finish_tile(acc, tile, pid_k, part_ptr, counter_ptr, stride_split, b_ptr, r_ptr, out_ptr, out_off, offs_n, N,
-                out_mask, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+    if SPLIT:  # the split that finishes last adds the partial sums in split order (triton_arrive.py)
+        tl.store(part_ptr + pid_k * stride_split + out_off, acc, mask=out_mask)
+        if arrive_last(counter_ptr + tile, tl.num_programs(1)):
+            acc = tl.zeros_like(acc)
+            for s in range(tl.num_programs(1)):
+                acc += tl.load(part_ptr + s * stride_split + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
+    else:
+        _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of a program: GROUP_M row tiles of one column tile run side by side, so the
+    weight tile they share is read from memory once and from L2 by the others."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
+
+
+@triton.jit
+def _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask,
+                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """A tile (+ bias, + residual, laid out as the output) in the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + out_off, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> MatmulConfig:
@@ -203,10 +231,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     """x [..., in_features] @ W.T + bias (+ residual) in out_dtype (default x's), W packed INT8 (int8 qweight) or
     INT4 (uint8); same as quant_ref. Without a config, INT4 with bf16 x of up to 16 rows goes to the tensor-core
     decode kernel (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile
-    kernel runs the rest (and whatever M is when a config is given). FP8 (float8_e4m3fn qweight) quantizes x too,
-    then runs cuBLAS's FP8 GEMM, triton_fp8_gemm's or the tile kernel, whichever is the faster (fp8_kernel); its
-    quantization kernel also does the RMSNorm or SiLU·mul that produced x where those are folded in
-    (quant_ref.fp8_activation)."""
+    kernel runs the rest (and whatever M is when a config is given). FP8 (float8_e4m3fn qweight) quantizes x too:
+    cuBLAS's FP8 GEMM where it is the faster (use_scaled_mm), the tile kernel otherwise; its quantization kernel
+    also does the RMSNorm or SiLU·mul that produced x where those are folded in (quant_ref.fp8_activation)."""
     int4, fp8 = qweight.dtype == torch.uint8, qweight.dtype == torch.float8_e4m3fn
     if not fp8:
         quant_ref.check_no_prologue(rms_norm, silu_and_mul)
@@ -237,13 +264,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     x_scales = None
     if fp8:
         x2, x_scales = triton_fp8_linear.quantize_rows(x2, **prologue)
-        kernel = "tiles" if config is not None else triton_fp8_linear.fp8_kernel(m, n, k, out_dtype)
-        if kernel == "scaled_mm":
+        if config is None and triton_fp8_linear.use_scaled_mm(m, n, k, out_dtype):
             y = triton_fp8_linear.scaled_mm(x2, x_scales, qweight, scales, bias)
             return (y if residual is None else y.add_(residual)).view(*lead, n)
-        if kernel == "tma" and triton_fp8_gemm.supports(x2, qweight, out_dtype):
-            return triton_fp8_gemm.fp8_gemm(x2, x_scales, qweight, scales, bias, residual, out_dtype,
-                                            triton_fp8_gemm.DECODE_CFG).view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     per_channel = not int4 and group >= k
     cfg = config or pick_config(m, n, k, x.device, fp8)

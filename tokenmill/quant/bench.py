@@ -8,10 +8,9 @@ the engine one row goes to the GEMV instead (kernels/triton_gemv.py, timed on ev
     python -m tokenmill.quant.bench --out bench_results/quant.json
 
 `--fp8-gemm` times FP8 at 17 to 1,024 rows on Llama-3-8B's four decode matrices instead: the tile kernel's e4m3
-dots (its FP8_GEMM config and, with --tune, the best of a grid) and triton_fp8_gemm's TMA-fed kernel (its
-DECODE_CFG, with --tune the best of its own grid) against cuBLAS's rowwise FP8 GEMM (with and without fast
-accumulation) and bf16, weights rotated through more copies than L2 holds: the timings that
-triton_fp8_linear.fp8_kernel's choice among them rests on.
+dots (its FP8_GEMM config and, with --tune, the best of a grid) against cuBLAS's rowwise FP8 GEMM (with and without
+fast accumulation) and bf16, weights rotated through more copies than L2 holds: the timings that
+triton_fp8_linear.use_scaled_mm's choice between the two rests on.
 """
 from __future__ import annotations
 
@@ -24,10 +23,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tokenmill.kernels import triton_fp8_gemm, triton_fp8_linear
+from tokenmill.kernels import triton_fp8_linear
 from tokenmill.kernels.bench_gemv import LAYER, LLAMA3_8B, time_rotating
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
-from tokenmill.kernels.triton_fp8_gemm import Fp8GemmConfig
 from tokenmill.kernels.triton_quant import SKINNY_M, MatmulConfig, pick_config, quant_linear, with_split
 from tokenmill.quant.formats import QuantFormat, quantize
 
@@ -52,9 +50,8 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune
         dispatched = fmt.fp8 and m > SKINNY_M  # FP8's own dispatch: e4m3 tiles or cuBLAS beyond 16 rows
         ms = median_ms(lambda args=args, tile=None if dispatched else tile: quant_linear(*args, tile))
         label = describe(pick_config(m, n, k, x.device, fmt.fp8) if dispatched else tile)
-        kernel = triton_fp8_linear.fp8_kernel(m, n, k, x.dtype) if dispatched else "tiles"
-        if kernel != "tiles":
-            label = {"scaled_mm": "cuBLAS FP8", "tma": "TMA e4m3"}[kernel]
+        if dispatched and triton_fp8_linear.use_scaled_mm(m, n, k, x.dtype):
+            label = "cuBLAS FP8"
         rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, label))
         if tune:
             best_ms, best = best_config(args, m, n, k)
@@ -91,8 +88,8 @@ L2_BYTES = 64 << 20  # more than the H200's 50 MB of L2: rotating through this m
 
 
 def bench_fp8_gemm(n: int, k: int, rows: tuple[int, ...] = FP8_GEMM_ROWS, tune: bool = False) -> list[dict]:
-    """FP8 beyond 16 rows of bf16 output for one matrix: the tile kernel's e4m3 dots and the TMA kernel against
-    cuBLAS, activation quantization included in each, and bf16 F.linear, each over weight copies that together miss L2."""
+    """FP8 beyond 16 rows of bf16 output for one matrix: the tile kernel's e4m3 dots against cuBLAS, activation
+    quantization included in both, and bf16 F.linear, each over weight copies that together miss L2."""
     fp8 = QuantFormat.parse("fp8")
     copies = max(2, -(-L2_BYTES // (n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 4))]
@@ -114,39 +111,8 @@ def bench_fp8_gemm(n: int, k: int, rows: tuple[int, ...] = FP8_GEMM_ROWS, tune: 
         if tune:
             best_ms, best = best_fp8_config(sets, m, n, k)
             found.append(_row("tile e4m3 best", n, k, m, best_ms, moved, flops, bf16_ms, describe(best)))
-        ms = time_rotating(lambda *a: _tma_fp8(*a, cfg=triton_fp8_gemm.DECODE_CFG), sets)
-        found.append(_row("TMA e4m3", n, k, m, ms, moved, flops, bf16_ms, describe_tma(triton_fp8_gemm.DECODE_CFG)))
-        if tune:
-            best_ms, best_tma = best_tma_config(sets)
-            found.append(_row("TMA e4m3 best", n, k, m, best_ms, moved, flops, bf16_ms, describe_tma(best_tma)))
         out += found
     return out
-
-
-def _tma_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *_: object,
-             cfg: Fp8GemmConfig) -> torch.Tensor:
-    xq, x_scales = triton_fp8_linear.quantize_rows(x)
-    return triton_fp8_gemm.fp8_gemm(xq, x_scales, qweight, scales, None, None, torch.bfloat16, cfg)
-
-
-def describe_tma(cfg: Fp8GemmConfig) -> str:
-    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
-            f"{cfg.programs_per_sm}/SM")
-
-
-def best_tma_config(sets: list[tuple]) -> tuple[float, Fp8GemmConfig]:
-    """The fastest TMA GEMM config of a grid (tile shapes, pipeline depth, programs a multiprocessor)."""
-    best: tuple[float, Fp8GemmConfig] = (float("inf"), triton_fp8_gemm.DECODE_CFG)
-    for bm, bn, (bk, stages), per_sm in itertools.product((64, 128), (64, 128, 256), ((128, 4), (128, 6), (256, 3)),
-                                                          (1, 2)):
-        cfg = Fp8GemmConfig(bm, bn, bk, num_warps=4 if bm * bn <= 64 * 128 else 8, num_stages=stages,
-                            programs_per_sm=per_sm)
-        try:
-            ms = time_rotating(lambda *a: _tma_fp8(*a, cfg=cfg), sets)
-        except triton.runtime.errors.OutOfResources:
-            continue
-        best = min(best, (ms, cfg), key=lambda t: t[0])
-    return best
 
 
 def _cublas_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *_: object,
