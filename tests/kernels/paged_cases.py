@@ -27,18 +27,22 @@ class PagedCase:
 
 def make_case(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
               block_size: int, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
-              garbage: float = 30.0, table_width: int = 0) -> PagedCase:
+              garbage: float = 30.0, table_width: int = 0, head_major: bool = True) -> PagedCase:
     """Unused cache slots hold `garbage` (30 or NaN): reading one by mistake shows up in the result.
-    table_width pads the block tables to a fixed width (as a CUDA-graph runner would)."""
+    table_width pads the block tables to a fixed width (as a CUDA-graph runner would). head_major: the caches
+    stored [block, KV head, token, d] as the engine stores them (kv_cache_zeros), else contiguous."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(max(blocks_per_seq, default=0), 1, table_width)
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim) if head_major else (num_blocks, block_size,
+                                                                                   num_kv_heads, head_dim)
     k_cache = torch.full(shape, garbage)
     v_cache = torch.full(shape, garbage)
+    if head_major:
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     keys, values = [], []
     for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
         ids, perm = perm[:nb], perm[nb:]

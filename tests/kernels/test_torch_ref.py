@@ -88,10 +88,15 @@ def test_rotary_embedding(num_heads: int, num_kv_heads: int, head_dim: int) -> N
     assert rel_err(k_rot, _naive_rope(positions, k, base)) < 1e-5
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head_major", "token_major"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_write_kv_cache_skips_padding(block_size: int) -> None:
+def test_write_kv_cache_skips_padding(block_size: int, head_major: bool) -> None:
+    """Also into the engine's head-major storage, a strided view: the writes land in the storage itself."""
     num_blocks, num_kv_heads, head_dim = 6, 2, 64
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    if head_major:
+        k_cache = torch.full((num_blocks, num_kv_heads, block_size, head_dim), float("nan")).transpose(1, 2)
+    else:
+        k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
     v_cache = k_cache.clone()
     slots = torch.randperm(num_blocks * block_size)[:5].tolist()
     slots[1] = slots[3] = -1

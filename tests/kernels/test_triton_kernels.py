@@ -114,6 +114,23 @@ def test_prefill_on_e4m3_cache(lens, block_size: int, num_heads: int, num_kv_hea
     assert out.dtype == BF16 and rel_err(out, reference_attention(case)) < TOL[BF16]
 
 
+@pytest.mark.parametrize("kv_dtype", [BF16, pytest.param(torch.float8_e4m3fn, marks=pytest.mark.skipif(
+    torch.cuda.get_device_capability() < (8, 9), reason="e4m3 conversions need sm_89 or later"))], ids=_ids)
+@pytest.mark.parametrize("query_lens", [[1] * 6, [40, 1, 300, 7, 1, 64]], ids=["decode", "prefill"])
+def test_token_major_cache(query_lens: list[int], kv_dtype: torch.dtype) -> None:
+    """The kernels index caches by strides: contiguous [block, token, KV head, d] caches (the other tests use the
+    engine's head-major storage) give the same answer."""
+    seq_lens = [1100, 17, 300, 900, 64, 64]
+    cases = [make_case(seq_lens, query_lens, 32, 8, 128, 16, BF16, "cuda", seed=5, garbage=float("nan"),
+                       head_major=head_major) for head_major in (True, False)]
+    if kv_dtype != BF16:
+        cases = [as_e4m3(case) for case in cases]
+    assert cases[1].k_cache.is_contiguous() and not cases[0].k_cache.is_contiguous()
+    outs = [_attend(case) for case in cases]
+    assert rel_err(outs[1], reference_attention(cases[1])) < TOL[BF16]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_short_block_table_stays_in_bounds() -> None:
     """The runner's memory-profiling forward attends over 300 tokens through a one-entry table."""
     k_cache = torch.zeros(2, 16, 2, 64, dtype=BF16, device="cuda")
@@ -167,9 +184,10 @@ ROPE = [(1, 8, 8, 64, BF16), (7, 32, 8, 128, BF16), (256, 28, 4, 128, F32), (204
         (33, 16, 2, 96, F32)]
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head_major", "token_major"])
 @pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,dtype", ROPE, ids=_ids)
 def test_rope_and_cache(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> None:
+                        dtype: torch.dtype, head_major: bool) -> None:
     block_size = 16
     q, k, v = _fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
@@ -177,7 +195,11 @@ def test_rope_and_cache(num_tokens: int, num_heads: int, num_kv_heads: int, head
     num_blocks = num_tokens // block_size + 2
     slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
     slots[::3] = -1
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    shape = (num_blocks, num_kv_heads, block_size, head_dim) if head_major else (num_blocks, block_size,
+                                                                                   num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    if head_major:
+        k_cache = k_cache.transpose(1, 2)
     v_cache = k_cache.clone()
     q_out = triton_ops.rope_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
 
@@ -246,9 +268,10 @@ def test_decode_attention_rotates_writes_and_attends(batch: int, max_ctx: int, b
     if padding:
         slots[-1] = -1
     new = slots[slots >= 0]
+    at = (new // block_size, new % block_size)  # the caches are strided views (head-major)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    k_cache.flatten(0, 1)[new] = float("nan")
-    v_cache.flatten(0, 1)[new] = float("nan")
+    k_cache[at] = float("nan")
+    v_cache[at] = float("nan")
     before_k, before_v = k_cache.clone(), v_cache.clone()
     cos_sin = _cos_sin(head_dim, max_ctx)
     out = triton_ops.decode_attention(positions, q, k, v, cos_sin, k_cache, v_cache, slots, case.query_start_loc,
@@ -261,10 +284,10 @@ def test_decode_attention_rotates_writes_and_attends(batch: int, max_ctx: int, b
     real = slice(0, batch - 1 if padding else batch)
     ref = reference_attention(dataclasses.replace(case, q=q_rot, keys=keys, values=values))
     assert out.dtype == dtype and rel_err(out[real], ref[real]) < TOL[dtype]
-    assert rel_err(k_cache.flatten(0, 1)[new], k_rot[real]) < TOL[dtype]
-    assert torch.equal(v_cache.flatten(0, 1)[new], v[real])
+    assert rel_err(k_cache[at], k_rot[real]) < TOL[dtype]
+    assert torch.equal(v_cache[at], v[real])
     untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool, device="cuda")
-    untouched.flatten()[new] = False
+    untouched[at] = False
     for after, before in ((k_cache, before_k), (v_cache, before_v)):
         assert torch.equal(after[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
     assert counters(out.device, batch * num_kv_heads).count_nonzero() == 0

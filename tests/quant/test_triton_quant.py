@@ -89,9 +89,11 @@ def test_bit_dequant_matches_twin(fmt: str, dtype: torch.dtype) -> None:
             assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def _int8_cache(cache: torch.Tensor) -> torch.Tensor:
+def _int8_cache(cache: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """head_major: the same rows stored [block, KV head, token, row] as the engine stores them."""
     nb, bs, h, d = cache.shape
-    return quant_ref.quantize_kv_int8(cache.reshape(nb * bs, h, d).float()).view(nb, bs, h, d + 4)
+    rows = quant_ref.quantize_kv_int8(cache.reshape(nb * bs, h, d).float()).view(nb, bs, h, d + 4)
+    return rows.transpose(1, 2).contiguous().transpose(1, 2) if head_major else rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -100,18 +102,22 @@ def _int8_cache(cache: torch.Tensor) -> torch.Tensor:
     ([513, 40], [200, 40], 8, 1, 128, 16), ([64] * 40, [1] * 40, 4, 4, 96, 16)])
 def test_int8_kv_attention(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype) -> None:
     case = make_case(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, torch.float32, "cuda")
-    k, v = _int8_cache(case.k_cache), _int8_cache(case.v_cache)
+    k, v = _int8_cache(case.k_cache, True), _int8_cache(case.v_cache, True)
     q = case.q.to(dtype)
     args = (case.query_start_loc, case.seq_lens, case.block_tables, case.scale, case.max_query_len)
     want = torch_ref.paged_attention(q.double(), k, v, *args)
     got = triton_ops.paged_attention(q, k, v, *args)
     assert got.dtype == dtype and rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    contiguous = triton_ops.paged_attention(q, _int8_cache(case.k_cache, False), _int8_cache(case.v_cache, False),
+                                            *args)
+    assert torch.equal(got, contiguous)
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head_major", "token_major"])
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
-def test_quantized_kv_write(cache_dtype: torch.dtype) -> None:
+def test_quantized_kv_write(cache_dtype: torch.dtype, head_major: bool) -> None:
     """rope_and_cache / write_kv_cache into int8 (our kernel) and fp8 (the float kernel) caches store what
-    the twin stores; padding slots write nothing."""
+    the twin stores; padding slots write nothing. head_major: the kernels write the engine's strided caches."""
     t, heads, kv_heads, d, bs = 37, 8, 2, 128, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(t, h, d, device="cuda", generator=gen, dtype=torch.bfloat16) * 3
@@ -124,6 +130,8 @@ def test_quantized_kv_write(cache_dtype: torch.dtype) -> None:
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1)
     shape = (8, bs, kv_heads, kv_row_width(d, cache_dtype))
     got_k, got_v, want_k, want_v = (torch.zeros(shape, dtype=cache_dtype, device="cuda") for _ in range(4))
+    if head_major:
+        got_k, got_v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (got_k, got_v))
     q_got = triton_ops.rope_and_cache(positions, q, k, v, cos_sin, got_k, got_v, slots)
     q_rot, k_rot = triton_ops.rotary_embedding(positions, q, k, cos_sin)
     torch_ref.write_kv_cache(k_rot, v, want_k, want_v, slots)

@@ -5,6 +5,7 @@ import torch
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.kernels import get_ops
+from tokenmill.layers.attention import PagedAttention
 from tokenmill.request import Request
 from tokenmill.runner.model_runner import LaunchedStep, kv_bytes_per_token, pending_inputs
 from tokenmill.runner.staging import device_tensor
@@ -40,6 +41,26 @@ def test_pool_given_in_tokens():
         engine(kv_cache_tokens=100, num_gpu_blocks_override=8)
     with pytest.raises(ValueError, match="at least one block"):
         engine(kv_cache_tokens=8)
+
+
+def test_cache_is_stored_head_major_and_written_in_place():
+    """Every layer's caches are views of the one pool, [block, token, KV head, d] over head-major storage; a
+    request's K rows land in that storage at its blocks' (block, KV head, token) runs and nowhere else."""
+    e = engine(max_num_seqs=2, max_model_len=64)
+    layers = [m for m in e.runner.model.modules() if isinstance(m, PagedAttention)]
+    for m in layers:
+        assert m.k_cache.transpose(1, 2).is_contiguous() and m.v_cache.transpose(1, 2).is_contiguous()
+        assert m.k_cache.untyped_storage().data_ptr() == e.runner.kv_cache.untyped_storage().data_ptr()
+    e.add_request("a", list(range(1, 21)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    blocks = None
+    while e.has_unfinished_requests():
+        blocks = blocks or e.kv_cache.get_block_ids("a")
+        e.step()
+    written = layers[0].k_cache.abs().amax(dim=(2, 3)) > 0  # [block, token]
+    want = torch.zeros_like(written)
+    for t in range(21):  # the prompt and the first generated token (the last one is never fed back)
+        want[blocks[t // 16], t % 16] = True
+    assert torch.equal(written, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,7 +2,8 @@
 
 Conventions shared with the Triton kernels (tokenmill/kernels/triton_*.py):
 - q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-- k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (quantized fp8/int8 caches: see quant_ref)
+- k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (quantized fp8/int8 caches: see quant_ref),
+  any strides with a unit last one (the engine's are stored head-major: runner/model_runner.kv_cache_zeros)
 - slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a negative slot is padding (skipped)
 - query_start_loc: [num_seqs + 1] int32, cumulative query lengths (tokens of sequence i are
   q[query_start_loc[i]:query_start_loc[i+1]])
@@ -52,8 +53,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     valid = _slots.get((slot_mapping,), padding_mask)
     if valid is not None:
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.flatten(0, 1).index_put_((slot_mapping,), to_kv_cache(k, k_cache.dtype))
-    v_cache.flatten(0, 1).index_put_((slot_mapping,), to_kv_cache(v, v_cache.dtype))
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # the cache may be a strided view
+    k_cache.index_put_((blocks, offsets), to_kv_cache(k, k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), to_kv_cache(v, v_cache.dtype))
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
