@@ -1,8 +1,9 @@
 """The FP8 (W8A8) linear's two CUDA pieces: activations quantized row by row to e4m3 in one Triton launch, and
 cuBLAS's rowwise-scaled FP8 GEMM (`torch._scaled_mm`) for the rows the tensor cores are worth it for.
 
-A row's scale is max|row| / 448 and every division is IEEE (div_rn), so the e4m3 values equal the torch twin's
-(quant_ref.quantize_fp8_rows) bit for bit. Decode batches go to triton_quant's tile kernel instead (use_scaled_mm
+A row's scale is max|row| / 448, its values are multiplied by the scale's reciprocal (one IEEE division a row,
+not one a value: the gated rows of a prefill step were bound by instruction issue), and both the division and the
+product round to nearest, so the e4m3 values equal the torch twin's (quant_ref.quantize_fp8_rows) bit for bit. Decode batches go to triton_quant's tile kernel instead (use_scaled_mm
 says where), which reads the same e4m3 x and W and scales the same float32 sums, and one row to the GEMV
 (triton_gemv.py), which reads x scaled back to float32: cuBLAS's FP8 GEMM at one row is slower than bf16's GEMV
 (docs/BENCHMARKS.md).
@@ -90,7 +91,7 @@ def _normalized(x, inv_rms, g_ptr, offs, K):
 @triton.jit
 def _store_quantized(x, scale, q_row, offs, K, FP8_MAX: tl.constexpr, DEQUANT: tl.constexpr):
     safe = tl.maximum(scale, 1.1754943508222875e-38)  # float32's smallest normal: a zero row stays zeros
-    q = tl.clamp(tl.math.div_rn(x, safe), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    q = tl.clamp(x * tl.math.div_rn(1.0, safe), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
     if DEQUANT:
         tl.store(q_row + offs, q.to(tl.float32) * scale, mask=offs < K)
     else:

@@ -173,13 +173,14 @@ def quantize(w: torch.Tensor, fmt: QuantFormat, importance: torch.Tensor | None 
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (e4m3 [M, K], float32 scales [M]): each row scaled by max|row| / 448 (a zero row keeps scale 0
-    and zeros), every division IEEE, as the Triton kernel does: FP8 weights a row at a time, activations a token
-    at a time."""
+    """[M, K] -> (e4m3 [M, K], float32 scales [M]): each row's scale is max|row| / 448 (a zero row keeps scale 0
+    and zeros) and its values are multiplied by the scale's reciprocal, every division IEEE, as the Triton kernel
+    does: FP8 weights a row at a time, activations a token at a time."""
     xf = x.float()
     amax = xf.abs().amax(-1)
     scale = amax / torch.full_like(amax, FP8_MAX)  # by a tensor: CUDA divides by a scalar through its reciprocal
-    q = (xf / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    inv = torch.ones_like(scale) / scale.clamp_min(torch.finfo(torch.float32).tiny)
+    q = (xf * inv[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return q.to(torch.float8_e4m3fn), scale
 
 
