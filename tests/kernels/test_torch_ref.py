@@ -215,3 +215,16 @@ def test_argmax_into_a_buffer() -> None:
     buffer = torch.zeros(4, dtype=torch.long)
     torch_ref.argmax(torch.tensor([[0.0, 3.0, 3.0], [2.0, 1.0, 0.0]]), buffer[:2])
     assert buffer.tolist() == [1, 0, 0, 0]
+
+
+def test_race_argmax_is_the_exponential_race() -> None:
+    """argmax(logits / T - log E) is the token argmax(softmax(logits / T) / E) picks (float64 reference), into a
+    caller's buffer."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(200, 1000, generator=gen) * 3
+    inv_temps = torch.rand(200, generator=gen) + 0.5
+    noise = torch.empty(200, 1000).exponential_(generator=gen)
+    want = (torch.softmax(logits.double() * inv_temps.double()[:, None], -1) / noise.double()).argmax(-1)
+    buffer = torch.empty(300, dtype=torch.long)
+    got = torch_ref.race_argmax(logits, inv_temps, noise, buffer[:200])
+    assert torch.equal(got, want) and torch.equal(buffer[:200], want)

@@ -343,6 +343,23 @@ def test_argmax(rows: int, n: int) -> None:
     assert torch.equal(buffer[:rows], got) and buffer[rows:].tolist() == [-5, -5]
 
 
+@pytest.mark.parametrize("rows,n", [(1, 128256), (3, 49152), (7, 100), (256, 4097)])
+def test_race_argmax(rows: int, n: int) -> None:
+    """The argmax of logits * inv_temp - log(noise) in float64 on a strided view of padded logits, into a caller's
+    buffer; rows whose two best scores lie within float32 rounding of each other may pick either."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = (torch.randn(rows, n + 64, device="cuda", generator=gen) * 4)[:, :n]
+    inv_temps = torch.rand(rows, device="cuda", generator=gen) + 0.5
+    noise = torch.empty(rows, n, device="cuda").exponential_(generator=gen)
+    scores = logits.double() * inv_temps.double()[:, None] - noise.double().log()
+    top2 = scores.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs().clamp_min(1.0)
+    buffer = torch.empty(rows + 5, dtype=torch.long, device="cuda")
+    got = triton_ops.race_argmax(logits, inv_temps, noise, buffer[:rows])
+    assert got.data_ptr() == buffer.data_ptr() and clear.float().mean() > 0.9
+    assert torch.equal(got[clear], scores.argmax(-1)[clear])
+
+
 @pytest.mark.parametrize("n", [1, 7, 256, 700])
 def test_fill_pending(n: int) -> None:
     """Rows with a source take that sampled token, every other row keeps its id (the twin's answer)."""

@@ -56,6 +56,21 @@ def test_sampling_follows_softmax_distribution():
     assert chi2 < 20.5  # 4 degrees of freedom, p = 0.0004
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.3, top_k=3), dict(top_p=0.6),
+                                    dict(temperature=0.5, min_p=0.2)], ids=["temperature", "top_k", "top_p", "min_p"])
+def test_draw_picks_the_token_the_race_over_probs_picks(params: dict):
+    """draw() (the race in log form over the raw logits, the filters applied as a mask) and race() over probs()
+    (the softmax of the filtered, scaled logits) turn the same Exp(1) draws into the same tokens."""
+    torch.manual_seed(3)
+    logits = torch.randn(64, 8) * 2
+    reqs = [req(i, seed=i, **params) for i in range(64)]
+    s1, s2 = make(), make()
+    for _ in range(5):
+        drawn = s1.draw(logits, reqs).tolist()
+        raced = s2.race(s2.probs(logits, [r.sampling_params for r in reqs]), reqs).tolist()
+        assert drawn == raced
+
+
 def test_top_p_and_min_p_restrict_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05, 0, 0, 0]]) + 1e-12)
     s = make()

@@ -11,7 +11,7 @@ import torch
 from tokenmill.kernels import torch_ref
 
 OP_NAMES = ("write_kv_cache", "paged_attention", "rotary_embedding", "rope_and_cache", "decode_attention",
-            "rms_norm", "silu_and_mul", "linear", "argmax", "fill_pending")
+            "rms_norm", "silu_and_mul", "linear", "argmax", "race_argmax", "fill_pending")
 KERNELS_ENV = "TOKENMILL_KERNELS"
 KERNEL_BACKENDS = ("auto", "torch")
 

@@ -217,6 +217,14 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return torch.argmax(logits, dim=-1, out=out)
 
 
+def race_argmax(logits: torch.Tensor, inv_temps: torch.Tensor, noise: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The exponential race in log form: per row the first index of the maximum of logits * inv_temps -
+    log(noise). With noise ~ Exp(1) this is the token argmax(softmax(logits * inv_temps) / noise) draws, a sample
+    of that softmax, without computing it (the row's normalizer shifts every score alike)."""
+    return torch.argmax(logits * inv_temps[:, None] - noise.log(), dim=-1, out=out)
+
+
 def fill_pending(input_ids: torch.Tensor, token_src: torch.Tensor, sampled: torch.Tensor) -> None:
     """input_ids[i] = sampled[token_src[i]] where token_src[i] >= 0, in place: async scheduling's tokens that the
     previous step sampled on the device and the host has not read yet."""

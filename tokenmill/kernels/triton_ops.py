@@ -10,7 +10,7 @@ from tokenmill.kernels import (
     triton_rope_cache,
 )
 from tokenmill.kernels.triton_activation import silu_and_mul
-from tokenmill.kernels.triton_argmax import argmax
+from tokenmill.kernels.triton_argmax import argmax, race_argmax
 from tokenmill.kernels.triton_gemv import dense_gemv
 from tokenmill.kernels.triton_norm import rms_norm
 from tokenmill.kernels.triton_pending import fill_pending
@@ -22,6 +22,7 @@ __all__ = [
     "fill_pending",
     "linear",
     "paged_attention",
+    "race_argmax",
     "rms_norm",
     "rope_and_cache",
     "rotary_embedding",

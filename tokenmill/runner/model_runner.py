@@ -96,6 +96,8 @@ class ModelRunner:
         if device.type == "cuda":
             self._compile_prefill_tiles()
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, device, args.seed)
+        if device.type == "cuda":
+            self._compile_sampler()
         self.rejection_sampler = RejectionSampler(self.sampler) if args.speculative else None
         self.staging = StagingBuffer(device) if device.type == "cuda" else None
         self.fill_pending = get_ops(device).fill_pending
@@ -171,6 +173,13 @@ class ModelRunner:
         tiles = {min(tile, self._max_prefill()) for tile in PREFILL_QUERY_TILES}
         for n in sorted({length for tile in tiles for length in (tile, tile - 1) if length > 1}):
             self._placeholder_prefill(n)
+
+    @torch.inference_mode()
+    def _compile_sampler(self) -> None:
+        """The sampling kernels once, on logits of the LM head's shape, so that their first compilation (a
+        fraction of a second) does not stall the first request that samples."""
+        hidden = torch.zeros(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.sampler.compile(self.model.compute_logits(hidden))
 
     def _allocate_kv_cache(self) -> None:
         c = self.config

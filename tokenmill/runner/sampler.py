@@ -24,9 +24,18 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
-        self.argmax = get_ops(device).argmax  # torch's reduces a row of 128k logits in one block: 27 us on an H200
+        ops = get_ops(device)
+        self.argmax = ops.argmax  # torch's reduces a row of 128k logits in one block: 27 us on an H200
+        self.race_argmax = ops.race_argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+
+    def compile(self, logits: torch.Tensor) -> None:
+        """Run argmax and race_argmax once on logits as the LM head gives them (their Triton kernels specialize on
+        the shapes' divisibility), drawing nothing from the generators."""
+        logits = logits[:, : self.vocab_size]
+        self.argmax(logits)
+        self.race_argmax(logits, torch.ones(logits.shape[0], device=logits.device), torch.ones_like(logits))
 
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
@@ -102,15 +111,14 @@ class Sampler:
         """The tokens (and raw logprobs if asked) on the device, nothing read back: async scheduling feeds the
         tokens to the next step before the host sees them (from out, a fixed buffer a CUDA graph reads)."""
         logits, raw_logprobs = self.process(logits, reqs)
-        params = [r.sampling_params for r in reqs]
-        tokens = self.argmax(logits, out)
-        if not all(p.greedy for p in params):
-            greedy = device_tensor([p.greedy for p in params], torch.bool, logits.device)
-            sampled = self.race(self.probs(logits, params), reqs)
-            tokens = torch.where(greedy, tokens, sampled)
-            if out is not None:
-                tokens = out.copy_(tokens)
-        return tokens, raw_logprobs
+        greedy = [r.sampling_params.greedy for r in reqs]
+        if all(greedy):
+            return self.argmax(logits, out), raw_logprobs
+        if not any(greedy):
+            return self.draw(logits, reqs, out), raw_logprobs
+        tokens = torch.where(device_tensor(greedy, torch.bool, logits.device), self.argmax(logits),
+                             self.draw(logits, reqs))
+        return (tokens if out is None else out.copy_(tokens)), raw_logprobs
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cut to the vocabulary, apply logit_bias, penalties and min_tokens in place, in vLLM's order; also the
@@ -127,22 +135,39 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Temperature (1 for greedy rows), top-k / top-p / min-p, softmax."""
-        temps = device_tensor([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
-        return torch.softmax(self._filter(logits / temps[:, None], params), dim=-1)
+        return torch.softmax(self._filter(logits * _inv_temps(params, logits.device)[:, None], params), dim=-1)
+
+    def draw(self, logits: torch.Tensor, reqs: list[Request], out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row from the distribution probs() gives, without computing it: the race in log form,
+        argmax(logits / T - log E) over the tokens the filters keep (race_argmax, one pass over the logits),
+        with race()'s noise. Plain decoding and the verification of a seeded request's n-gram drafts both draw
+        here, so that request's tokens are the same with drafts or without."""
+        params = [r.sampling_params for r in reqs]
+        inv_temps = _inv_temps(params, logits.device)
+        if self._filters(params, logits.shape[1]):
+            cut = self._filter(logits * inv_temps[:, None], params) == float("-inf")
+            logits = logits.masked_fill(cut, float("-inf"))
+        return self.race_argmax(logits, inv_temps, self.noise(logits, reqs), out)
 
     def race(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """One token per row drawn from probs: argmax(p / E), E ~ Exp(1), seeded rows from their own generator."""
+        """One token per row drawn from probs: argmax(p / E), E ~ Exp(1) (noise())."""
+        return self.argmax(probs / self.noise(probs, reqs))
+
+    def noise(self, like: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Exp(1) draws of like's shape: unseeded rows from the sampler's generator, a seeded request's row from
+        its own, one row a draw, so its tokens do not depend on its batch mates."""
         unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
         if len(unseeded) == len(reqs):
-            return self.argmax(probs / torch.empty_like(probs).exponential_(generator=self.generator))
-        noise = torch.empty_like(probs)
+            return torch.empty_like(like).exponential_(generator=self.generator)
+        noise = torch.empty_like(like)
         if unseeded:
-            noise[device_tensor(unseeded, torch.long, probs.device)] = torch.empty(
-                len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=self.generator)
+            noise[device_tensor(unseeded, torch.long, like.device)] = torch.empty(
+                len(unseeded), like.shape[1], dtype=like.dtype, device=like.device).exponential_(
+                generator=self.generator)
         for i, r in enumerate(reqs):
             if r.sampling_params.seed is not None:
                 noise[i].exponential_(generator=self.request_generator(r))
-        return self.argmax(probs / noise)
+        return noise
 
     @staticmethod
     def logprobs(raw_logprobs: torch.Tensor | None, token_list: list[int], reqs: list[Request]) -> list[Logprob | None]:
@@ -162,13 +187,18 @@ class Sampler:
         return out
 
     @staticmethod
+    def _filters(params: list, vocab: int) -> bool:
+        """Whether any row has a top-k, top-p or min-p that can cut a token."""
+        return any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p for p in params)
+
+    @staticmethod
     def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
         """top-k, then top-p, then min-p, as vLLM orders them."""
+        if not Sampler._filters(params, logits.shape[1]):
+            return logits
         top_k = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]  # int64-safe
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
-        if all(k >= logits.shape[1] for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
-            return logits
         dev = logits.device
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[1], device=dev)[None, :]
@@ -181,3 +211,8 @@ class Sampler:
         mp = device_tensor(min_p, torch.float32, dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(probs < mp * probs[:, :1], float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def _inv_temps(params: list, device: torch.device) -> torch.Tensor:
+    """1 / temperature a row, float32 (1 for greedy rows): the one temperature scaling of probs() and draw()."""
+    return device_tensor([1.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, device)

@@ -77,7 +77,7 @@ class RejectionSampler:
         draft_ids = torch.tensor([t for r in reqs for t in r.spec_token_ids], dtype=torch.long, device=dev)
         p_draft = p[torch.tensor(draft_rows, device=dev), draft_ids]
         q_draft = self._q_draft(reqs, num_drafts, draft_ids)
-        raced = {i: self._race_drafts(p[s: s + k + 1], r)
+        raced = {i: self._race_drafts(logits[s: s + k + 1], r)
                  for i, (r, s, k) in enumerate(zip(reqs, starts, num_drafts)) if self._races(r)}
         u = self._uniforms(reqs, num_drafts, dev)
         num_accepted = emitted_counts(accept(p_draft, q_draft, u).tolist(), num_drafts)
@@ -120,16 +120,16 @@ class RejectionSampler:
         p = req.sampling_params
         return p.seed is not None and not p.greedy and req.request_id not in self.draft_probs
 
-    def _race_drafts(self, p: torch.Tensor, req: Request) -> list[int]:
+    def _race_drafts(self, logits: torch.Tensor, req: Request) -> list[int]:
         """The emitted tokens of a request that _races: at each position the token plain decoding would draw
-        (Sampler.race on that row: one Exp(1) row from the request's generator), the draft accepted while it
-        is that token. For a point-mass q this is the rule (x kept with probability p(x), else a token from p
+        (Sampler.draw on that row of processed logits: one Exp(1) row from the request's generator), the draft
+        accepted while it is that token. For a point-mass q this is the rule (x kept with probability p(x), else a token from p
         without x: the normalized residual), and it draws one row per emitted token however many drafts there
         were, so a seeded request's tokens do not depend on the k that the adaptive rule (which follows measured
         step times) or the token budget allowed: they are those of plain seeded decoding."""
         drafts, out = req.spec_token_ids, []
-        for j in range(p.shape[0]):
-            out.append(int(self.sampler.race(p[j: j + 1], [req])[0]))
+        for j in range(logits.shape[0]):
+            out.append(int(self.sampler.draw(logits[j: j + 1], [req])[0]))
             if j == len(drafts) or out[-1] != drafts[j]:
                 break
         return out
