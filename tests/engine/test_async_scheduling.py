@@ -84,9 +84,9 @@ def test_abort_while_a_token_is_on_the_device(engines) -> None:
 
 
 def test_a_failed_launch_feeds_no_stale_token(engines, monkeypatch) -> None:
-    """Sampling writes the greedy rows into the runner's `sampled` buffer before it draws the others; when it
-    fails after that, the step in flight is read back from its own copy and the next launch takes nothing from
-    the buffer: stepping on gives the synchronous engine's tokens."""
+    """Sampling fails while it draws the sampled rows, after writing into the runner's `sampled` buffer: the step
+    in flight is read back from its own copy and the next launch takes nothing from the buffer, so stepping on
+    gives the synchronous engine's tokens."""
     ids = chat_ids(engines[True], QUESTIONS[1])
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)]
@@ -104,12 +104,13 @@ def test_a_failed_launch_feeds_no_stale_token(engines, monkeypatch) -> None:
     while engine._in_flight is None or min(r.num_output_tokens for r in engine.scheduler.running) < 3:
         step()
     sampler = engine.runner.sampler
-    race = sampler.race
+    draw = sampler.draw
 
     def fail_once(*args, **kwargs):
-        monkeypatch.setattr(sampler, "race", race)
+        monkeypatch.setattr(sampler, "draw", draw)
+        engine.runner.sampled.fill_(7)  # what a sampler failing halfway may leave in the buffer
         raise RuntimeError("injected")
-    monkeypatch.setattr(sampler, "race", fail_once)
+    monkeypatch.setattr(sampler, "draw", fail_once)
     with pytest.raises(RuntimeError, match="injected"):
         step()
     while engine.has_unfinished_requests():

@@ -63,6 +63,15 @@ def test_cache_is_stored_head_major_and_written_in_place():
     assert torch.equal(written, want)
 
 
+def test_sampler_compile_runs_on_the_lm_heads_logits_and_draws_nothing():
+    """What the runner does at startup on CUDA (here with the twins): both sampling ops once on the LM head's
+    logits, the sampler's generator untouched, so seeded and unseeded streams start where they would."""
+    e = engine(max_num_seqs=2, max_model_len=64)
+    state = e.runner.sampler.generator.get_state()
+    e.runner._compile_sampler()
+    assert torch.equal(e.runner.sampler.generator.get_state(), state)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pending_tokens_are_filled_without_waiting_for_the_device(no_device_sync) -> None:
     """Async scheduling's tokens still on the device go into the next input with nothing read back."""
