@@ -3,10 +3,10 @@ cuBLAS's rowwise-scaled FP8 GEMM (`torch._scaled_mm`) for the rows the tensor co
 
 A row's scale is max|row| / 448, its values are multiplied by the scale's reciprocal (one IEEE division a row,
 not one a value: the gated rows of a prefill step were bound by instruction issue), and both the division and the
-product round to nearest, so the e4m3 values equal the torch twin's (quant_ref.quantize_fp8_rows) bit for bit. Decode batches go to triton_quant's tile kernel instead (use_scaled_mm
-says where), which reads the same e4m3 x and W and scales the same float32 sums, and one row to the GEMV
-(triton_gemv.py), which reads x scaled back to float32: cuBLAS's FP8 GEMM at one row is slower than bf16's GEMV
-(docs/BENCHMARKS.md).
+product round to nearest, so the e4m3 values equal the torch twin's (quant_ref.quantize_fp8_rows) bit for bit.
+Decode batches go to triton_quant's tile kernel instead (use_scaled_mm says where), which reads the same e4m3 x
+and W and scales the same float32 sums, and one row to the GEMV (triton_gemv.py), which reads x scaled back to
+float32: cuBLAS's FP8 GEMM at one row is slower than bf16's GEMV (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 

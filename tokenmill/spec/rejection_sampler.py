@@ -123,10 +123,10 @@ class RejectionSampler:
     def _race_drafts(self, logits: torch.Tensor, req: Request) -> list[int]:
         """The emitted tokens of a request that _races: at each position the token plain decoding would draw
         (Sampler.draw on that row of processed logits: one Exp(1) row from the request's generator), the draft
-        accepted while it is that token. For a point-mass q this is the rule (x kept with probability p(x), else a token from p
-        without x: the normalized residual), and it draws one row per emitted token however many drafts there
-        were, so a seeded request's tokens do not depend on the k that the adaptive rule (which follows measured
-        step times) or the token budget allowed: they are those of plain seeded decoding."""
+        accepted while it is that token. For a point-mass q this is the rule (x kept with probability p(x), else a
+        token from p without x: the normalized residual), and it draws one row per emitted token however many
+        drafts there were, so a seeded request's tokens do not depend on the k that the adaptive rule (which
+        follows measured step times) or the token budget allowed: they are those of plain seeded decoding."""
         drafts, out = req.spec_token_ids, []
         for j in range(logits.shape[0]):
             out.append(int(self.sampler.draw(logits[j: j + 1], [req])[0]))
