@@ -126,6 +126,30 @@ def test_compare_hf(tmp_path):
     assert all(r["ratio"] > 0 for r in result["ratios"])
 
 
+def test_throughput_with_the_transformers_baseline(tmp_path):
+    """--hf-requests N: the first N requests through transformers' continuous batching and through tokenmill, each
+    request to its own max_tokens (EOS ignored), at every temperature; the full workload's rows unchanged."""
+    pytest.importorskip("transformers")
+    result = run_bench(tmp_path, "throughput", "--num-requests", "5", "--max-input-len", "12", "--min-input-len",
+                       "4", "--max-output-len", "9", "--min-output-len", "2", "--hf-requests", "3",
+                       "--temperatures", "0.6", "0")
+    rows = result["results"]
+    assert [(r["system"], r["num_requests"], r["temperature"]) for r in rows] == [
+        ("tokenmill", 5, 0.6), ("tokenmill", 5, 0.0), ("tokenmill", 3, 0.6), ("tokenmill", 3, 0.0),
+        ("transformers", 3, 0.6), ("transformers", 3, 0.0)]
+    workload = nano_vllm_workload(5, 12, 9, 4, 2, vocab_size=256)
+    subset_tokens = sum(workload.max_tokens[:3])
+    assert subset_tokens < workload.num_output_tokens
+    for row in rows:
+        expected = workload.num_output_tokens if row["num_requests"] == 5 else subset_tokens
+        assert row["output_tokens"] == expected, row
+        assert row["input_tokens"] == sum(len(p) for p in workload.prompts[:row["num_requests"]])
+        assert_positive(row, "elapsed_s", "output_tokens_per_s")
+    hf = rows[-1]
+    assert hf["dtype"] == "float32" and hf["attn_implementation"]  # the kernels transformers chose for its cache
+    assert result["params"]["hf_requests"] == 3
+
+
 def test_nano_vllm_workload_is_nano_vllms():
     w = nano_vllm_workload()
     assert len(w.prompts) == 256 and w.num_output_tokens == 133_966
@@ -233,6 +257,8 @@ SMALL = ["--max-input-len", "8", "--max-output-len", "4"]   # keeps a run short 
     (["profile", "--prefill-tokens", "40", "--input-len", "10", "--max-num-seqs", "3", "--batch-sizes", "1"],
      "needs 4 requests; --max-num-seqs is 3"),
     (["compare-hf", "--repeats", "0"], "--repeats must be at least 1, got 0"),            # IndexError in median
+    (["throughput", "--num-requests", "4", "--hf-requests", "5"], "at most --num-requests"),  # a smaller baseline
+    (["throughput", "--hf-requests", "-1"], "--hf-requests must be at least 0, got -1"),
     (["latency", "--num-gpu-blocks-override", "-1"], "num_gpu_blocks_override must be >= 2"),     # RuntimeError
     (["latency", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),         # "KV budget holds 1"
     (["latency", "--max-model-len", "-1"], "max_model_len must be an integer >= 1"),      # "KV budget holds 1"

@@ -2,7 +2,9 @@
 once, ignore_eos, a warm-up on 32 of its prompts first; throughput = generated tokens / wall time including prefill.
 Each pass also records where its time went: the steps that prefill, and the decode-only steps by batch size
 (`--breakdown` prints it), so a gap to a target points at a phase before a profiler is needed, and the Triton
-kernel variants first launched during the pass (each compiled, or loaded from Triton's disk cache, on the spot)."""
+kernel variants first launched during the pass (each compiled, or loaded from Triton's disk cache, on the spot).
+`--hf-requests N` adds the baseline in the same process: the first N requests of the workload through transformers'
+continuous batching, and through each tokenmill engine too, so the two are compared on the same requests."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +13,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from tokenmill.bench.common import (Column, add_common_args, clock, generate, num_output_tokens, print_table,
-                                    result_header, save_json, warm_up)
+                                    release_memory, result_header, save_json, warm_up)
+from tokenmill.bench.compare_hf import build_hf_model
+from tokenmill.bench.hf_offline import run_hf_workload
 from tokenmill.bench.sweep import add_sweep_arg, parse_sweep, run_sweep
 from tokenmill.bench.workloads import Workload, nano_vllm_workload
 from tokenmill.engine.arg_utils import check_at_least, engine_args_from
@@ -19,7 +23,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 COLUMNS: list[Column] = [
-    ("temperature", "temperature"), ("num_requests", "requests"), ("output_tokens", "output tokens"),
+    ("system", "system"), ("temperature", "temperature"), ("num_requests", "requests"), ("output_tokens", "output tokens"),
     ("elapsed_s", "time s"), ("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
     ("num_preemptions", "preemptions"),
 ]
@@ -113,7 +117,7 @@ def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> d
         outputs = generate(engine, workload.prompts, params, on_step=record)
         elapsed = clock(engine.device) - start
     out_tokens = num_output_tokens(outputs)
-    return {"temperature": temperature, "num_requests": len(workload.prompts),
+    return {"system": "tokenmill", "temperature": temperature, "num_requests": len(workload.prompts),
             "input_tokens": workload.num_input_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
             "requests_per_s": len(outputs) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (workload.num_input_tokens + out_tokens) / elapsed,
@@ -140,24 +144,38 @@ def workload_from(ns: argparse.Namespace, vocab_size: int) -> Workload:
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     check_workload_args(ns, ns.temperatures, "--temperatures")
+    check_at_least(ns, {"hf_requests": 0})
+    if ns.hf_requests > ns.num_requests:
+        raise ValueError(f"--hf-requests ({ns.hf_requests}) takes the first requests of the workload: at most "
+                         f"--num-requests ({ns.num_requests})")
+
+    first_engine: dict[str, Any] = {}
 
     def measure(engine: LLMEngine) -> list[dict[str, Any]]:
+        first_engine.setdefault("model", (engine.model_config, engine.dtype, engine.device))
         workload = workload_from(ns, engine.model_config.vocab_size)
         warm_up(engine, workload.prompts[:WARM_UP_REQUESTS])
-        return [run_workload(engine, workload, t) for t in ns.temperatures]
+        rows = [run_workload(engine, workload, t) for t in ns.temperatures]
+        if ns.hf_requests:
+            rows += [run_workload(engine, subset(workload, ns.hf_requests), t) for t in ns.temperatures]
+        return rows
 
-    rows, header = run_sweep(engine_args_from(ns), ns.sweep, measure,
+    args = engine_args_from(ns)
+    rows, header = run_sweep(args, ns.sweep, measure,
                              lambda args, engine: result_header("throughput", args, engine.device, {
                                  "num_requests": ns.num_requests, "min_input_len": ns.min_input_len,
                                  "max_input_len": ns.max_input_len, "min_output_len": ns.min_output_len,
                                  "max_output_len": ns.max_output_len, "seed": ns.workload_seed,
-                                 "temperatures": ns.temperatures, "sweep": ns.sweep}))
+                                 "temperatures": ns.temperatures, "sweep": ns.sweep,
+                                 "hf_requests": ns.hf_requests}))
+    if ns.hf_requests:
+        rows += hf_rows(ns, args, *first_engine["model"])
     print_table(rows, [(k, k) for k in parse_sweep(ns.sweep)[0]] + COLUMNS,
                 title=f"offline throughput, nano-vllm workload ({ns.num_requests} requests, input "
                       f"U[{min(ns.min_input_len, ns.max_input_len)}, {ns.max_input_len}], output "
                       f"U[{min(ns.min_output_len, ns.max_output_len)}, {ns.max_output_len}], ignore_eos)")
     if ns.breakdown:
-        for row in rows:
+        for row in (r for r in rows if "breakdown" in r):
             print_table(row["breakdown"], BREAKDOWN_COLUMNS,
                         title=f"where the time went, temperature {row['temperature']}"
                               + "".join(f", {k} {row[k]}" for k in parse_sweep(ns.sweep)[0]))
@@ -167,6 +185,23 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     result = {**header, "results": rows}
     save_json(result, ns.out)
     return result
+
+
+def subset(workload: Workload, n: int) -> Workload:
+    return Workload(workload.prompts[:n], workload.max_tokens[:n])
+
+
+def hf_rows(ns: argparse.Namespace, args: Any, config: Any, dtype: Any, device: Any) -> list[dict[str, Any]]:
+    """transformers on the first --hf-requests requests, in the dtype of tokenmill's first engine (released by
+    then: the manager sizes its cache from the free memory), random weights for load_format dummy."""
+    release_memory()
+    model = build_hf_model(config, args, dtype, device, "sdpa")
+    workload = subset(workload_from(ns, config.vocab_size), ns.hf_requests)
+    rows = [{**run_hf_workload(model, workload, t, device), "dtype": str(dtype).removeprefix("torch.")}
+            for t in ns.temperatures]
+    del model
+    release_memory()
+    return rows
 
 
 def add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
@@ -189,6 +224,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                    help="one timed pass per temperature; 0 = greedy (default: 0.6 0.0)")
     p.add_argument("--breakdown", action="store_true",
                    help="print each pass's time by phase: prefill steps, decode-only steps by batch size")
+    p.add_argument("--hf-requests", type=int, default=0,
+                   help="also run the first N requests through transformers' continuous batching (generate_batch's "
+                        "manager) and through tokenmill, in the same process (default: 0, off)")
     add_sweep_arg(p)
     add_common_args(p)
     p.set_defaults(func=run)
