@@ -114,9 +114,11 @@ fp8() {
             --max-num-batched-tokens 32768 --input-len 800 --batch-sizes 64 128 160 256 --prefill-tokens 8192 \
             --out "$OUT_DIR/profile_w$q.json"
     done
+    # --hf-requests: transformers' continuous batching (bf16) on the workload's first 64 requests, tokenmill too
+    # (four engines and transformers: ~6 min, past the default STEP_TIMEOUT; run the section with STEP_TIMEOUT=480)
     step "throughput fp8" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
         --sweep max_num_batched_tokens=8192,16384 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
-        --out "$OUT_DIR/throughput_fp8.json"
+        --hf-requests 64 --out "$OUT_DIR/throughput_fp8.json"
 }
 for section in $SECTIONS; do
     case $section in
