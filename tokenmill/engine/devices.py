@@ -24,6 +24,25 @@ def pick_device(device: str, local_rank: int = 0) -> torch.device:
     return picked
 
 
+# vLLM's defaults for its offline LLM class (EngineArgs.get_batch_defaults): GPUs of 70 GiB or more, A100s aside
+# (larger budgets measured slower there), take 16384 tokens a step, smaller GPUs 8192. Offline runs want large
+# prefill steps; a server keeps the engine's smaller default, which bounds the latency a long prompt adds to the
+# decodes sharing its step.
+LARGE_GPU_BYTES = 70 << 30
+OFFLINE_BUDGET_LARGE_GPU = 16384
+OFFLINE_BUDGET_GPU = 8192
+
+
+def offline_max_num_batched_tokens(device: torch.device, engine_default: int) -> int:
+    """The step token budget of the offline LLM class when none is given: vLLM's on CUDA, the engine's default
+    elsewhere (on the CPU a step's time grows with its tokens: nothing is gained by larger steps)."""
+    if device.type != "cuda":
+        return engine_default
+    props = torch.cuda.get_device_properties(device)
+    large = props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()
+    return OFFLINE_BUDGET_LARGE_GPU if large else OFFLINE_BUDGET_GPU
+
+
 def pick_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return parse_dtype(dtype)

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineArgs
 from tokenmill.core.scheduler import QueueFullError
+from tokenmill.engine.devices import offline_max_num_batched_tokens, pick_device
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -17,6 +18,11 @@ Prompt = str | list[int] | dict[str, Any]  # dict: vLLM's {"prompt": text} or {"
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """engine_args: EngineArgs' fields. Without max_num_batched_tokens the step budget is vLLM's offline
+        default for the device (devices.offline_max_num_batched_tokens: 16384 on an H100 / H200)."""
+        if "max_num_batched_tokens" not in engine_args:
+            engine_args["max_num_batched_tokens"] = offline_max_num_batched_tokens(
+                pick_device(engine_args.get("device", "auto")), EngineArgs.max_num_batched_tokens)
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
 
     def get_tokenizer(self):

@@ -1,0 +1,41 @@
+"""Device-dependent defaults: the offline LLM class's step budget follows vLLM's table for the GPU it runs on."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tokenmill import LLM
+from tokenmill.engine.devices import offline_max_num_batched_tokens
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("name, memory, budget", [
+    ("NVIDIA H200", 139 * GIB, 16384),          # vLLM: 16384 for its LLM class on GPUs of 70 GiB or more
+    ("NVIDIA H100 80GB HBM3", 79 * GIB, 16384),
+    ("NVIDIA A100-SXM4-80GB", 79 * GIB, 8192),  # ... but A100s, where larger budgets measured slower
+    ("NVIDIA L4", 22 * GIB, 8192),              # ... and 8192 on smaller GPUs
+])
+def test_offline_budget_on_cuda_follows_vllm(monkeypatch, name, memory, budget):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, total_memory=memory))
+    assert offline_max_num_batched_tokens(torch.device("cuda", 0), engine_default=2048) == budget
+
+
+def test_offline_budget_on_cpu_is_the_engines_default():
+    assert offline_max_num_batched_tokens(torch.device("cpu"), engine_default=2048) == 2048
+
+
+def test_llm_takes_the_device_budget_unless_given(monkeypatch):
+    tiny = {"load_format": "dummy", "model_preset": "tiny-llama", "device": "cpu"}
+    seen = []
+
+    def budget(device, engine_default):
+        seen.append((device.type, engine_default))
+        return 96
+
+    monkeypatch.setattr("tokenmill.entrypoints.llm.offline_max_num_batched_tokens", budget)
+    assert LLM(**tiny).llm_engine.scheduler.config.max_num_batched_tokens == 96
+    assert seen == [("cpu", 2048)]
+    assert LLM(**tiny, max_num_batched_tokens=40).llm_engine.scheduler.config.max_num_batched_tokens == 40
+    assert len(seen) == 1  # a given budget is not second-guessed
