@@ -12,20 +12,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from tokenmill.bench.common import (Column, add_common_args, clock, generate, num_output_tokens, print_table,
                                     release_memory, result_header, save_json, warm_up)
 from tokenmill.bench.compare_hf import build_hf_model
 from tokenmill.bench.hf_offline import run_hf_workload
 from tokenmill.bench.sweep import add_sweep_arg, parse_sweep, run_sweep
 from tokenmill.bench.workloads import Workload, nano_vllm_workload
+from tokenmill.config import EngineArgs, ModelConfig
 from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 COLUMNS: list[Column] = [
-    ("system", "system"), ("temperature", "temperature"), ("num_requests", "requests"), ("output_tokens", "output tokens"),
-    ("elapsed_s", "time s"), ("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
-    ("num_preemptions", "preemptions"),
+    ("system", "system"), ("temperature", "temperature"), ("num_requests", "requests"),
+    ("output_tokens", "output tokens"), ("elapsed_s", "time s"), ("output_tokens_per_s", "output tok/s"),
+    ("total_tokens_per_s", "total tok/s"), ("num_preemptions", "preemptions"),
 ]
 
 
@@ -191,7 +194,8 @@ def subset(workload: Workload, n: int) -> Workload:
     return Workload(workload.prompts[:n], workload.max_tokens[:n])
 
 
-def hf_rows(ns: argparse.Namespace, args: Any, config: Any, dtype: Any, device: Any) -> list[dict[str, Any]]:
+def hf_rows(ns: argparse.Namespace, args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
+            device: torch.device) -> list[dict[str, Any]]:
     """transformers on the first --hf-requests requests, in the dtype of tokenmill's first engine (released by
     then: the manager sizes its cache from the free memory), random weights for load_format dummy."""
     release_memory()
