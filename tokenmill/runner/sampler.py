@@ -144,9 +144,9 @@ class Sampler:
         here, so that request's tokens are the same with drafts or without."""
         params = [r.sampling_params for r in reqs]
         inv_temps = _inv_temps(params, logits.device)
-        if self._filters(params, logits.shape[1]):
-            cut = self._filter(logits * inv_temps[:, None], params) == float("-inf")
-            logits = logits.masked_fill(cut, float("-inf"))
+        if self._filters(params, logits.shape[1]):  # the filters cut the scaled logits: the race scales no more
+            logits = self._filter(logits * inv_temps[:, None], params)
+            inv_temps = torch.ones_like(inv_temps)
         return self.race_argmax(logits, inv_temps, self.noise(logits, reqs), out)
 
     def race(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
