@@ -98,14 +98,14 @@ bench() {
         --out "$OUT_DIR/throughput.json"
 }
 fp8() {
-    step "fp8 tests" "$PY" -m pytest tests/kernels/test_triton_fp8_linear.py tests/quant/test_triton_quant.py -q \
-        -k "fp8 or matmul" -rf
+    step "fp8 tests" "$PY" -m pytest tests/kernels/test_triton_fp8_linear.py tests/kernels/test_triton_fp8_skinny.py \
+        tests/quant/test_triton_quant.py -q -k "fp8 or matmul or skinny" -rf
     step "fp8 engine tests" "$PY" -m pytest tests/engine/test_gpu_engine.py -x -q -k "graph" -rf
     step "fp8 gemv bench" "$PY" -m tokenmill.kernels.bench_gemv --matrices qkv o gate_up down --tune fp8 \
         --out "$OUT_DIR/gemv_fp8.json"
     step "fp8 quant bench" "$PY" -m tokenmill.quant.bench --m 1 2 16 64 256 2048 8192 --out "$OUT_DIR/quant_fp8.json"
     step "fp8 gemm bench" "$PY" -m tokenmill.quant.bench --fp8-gemm $([ -n "${FP8_TUNE:-}" ] && echo --tune) \
-        --fp8-rows 17 64 128 160 192 256 1024 --out "$OUT_DIR/quant_fp8_gemm.json"  # e4m3 tiles against cuBLAS; FP8_TUNE=1: ~2 min
+        --fp8-rows 16 17 32 64 128 160 192 256 1024 --out "$OUT_DIR/quant_fp8_gemm.json"  # e4m3 kernels against cuBLAS; FP8_TUNE=1: ~2 min
     step "latency fp8" "$PY" -m tokenmill.cli bench latency "${DUMMY[@]}" --num-iters 3 --max-num-seqs 8 \
         --async-scheduling --quantization fp8 --sweep quantize_lm_head=false,true --out "$OUT_DIR/latency_fp8.json"
     for q in none fp8; do  # TOKENMILL_PDL=0: a kernel's time does not include its wait for the one before
@@ -115,9 +115,9 @@ fp8() {
             --out "$OUT_DIR/profile_w$q.json"
     done
     # --hf-requests: transformers' continuous batching (bf16) on the workload's first 64 requests, tokenmill too
-    # (four engines and transformers: ~6 min, past the default STEP_TIMEOUT; run the section with STEP_TIMEOUT=480)
+    # (six engines and transformers: ~8 min, past the default STEP_TIMEOUT; run the section with STEP_TIMEOUT=560)
     step "throughput fp8" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
-        --sweep max_num_batched_tokens=8192,16384 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
+        --sweep max_num_batched_tokens=8192,16384,32768 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
         --hf-requests 64 --out "$OUT_DIR/throughput_fp8.json"
 }
 for section in $SECTIONS; do

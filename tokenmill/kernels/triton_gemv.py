@@ -530,3 +530,15 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     kind = {torch.uint8: INT4, torch.float8_e4m3fn: FP8}.get(qweight.dtype, INT8)
     return _launch(kind, x, qweight, scales, mins, qweight.shape[0], in_features, group, bias, config,
                    residual=residual, out_dtype=out_dtype)
+
+
+@triton.jit
+def store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask,
+               HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """A matmul tile (+ bias, + residual, laid out as the output) in the output's dtype (triton_quant's and
+    triton_fp8_skinny's epilogue)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + out_off, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -4,7 +4,8 @@ in memory.
 
 INT4 with bf16 x of 2 to 16 rows (and one row of a wide or deep matrix) goes to the tensor-core decode kernel of
 triton_int4_mma.py; any other single row to the GEMV of triton_gemv.py. FP8 (e4m3 weights) quantizes x row by
-row first (triton_fp8_linear.py); from 17 rows its tiles multiply e4m3 by e4m3 on the tensor cores, and where
+row first (triton_fp8_linear.py); 2 to 64 rows of 16-bit output go to the swapped-operand kernel of
+triton_fp8_skinny.py; otherwise from 17 rows its tiles multiply e4m3 by e4m3 on the tensor cores, and where
 cuBLAS's 128 x 128 tiles fill the GPU (bf16 output) its FP8 GEMM runs instead. Otherwise one kernel, two tile shapes.
 Decode (M <= 16 rows): a 16-row tile, narrow N tiles and long K tiles. Larger M: classic square-ish tiles, the
 row tiles of one weight tile side by side (_tile_coords).
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import quant_ref, triton_fp8_linear, triton_int4_mma
+from tokenmill.kernels import quant_ref, triton_fp8_linear, triton_fp8_skinny, triton_int4_mma
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     WIDE_N,
@@ -33,6 +34,7 @@ from tokenmill.kernels.triton_gemv import (
     int4_subtile,
     num_sms,
     quant_gemv,
+    store_tile,
     sub_tile,
 )
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
@@ -174,9 +176,9 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
             acc = tl.zeros_like(acc)
             for s in range(tl.num_programs(1)):
                 acc += tl.load(part_ptr + s * stride_split + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
+            store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
     else:
-        _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
+        store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -188,17 +190,6 @@ def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     first_m = (tile // per_group) * GROUP_M
     rows = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (tile % per_group) % rows, (tile % per_group) // rows
-
-
-@triton.jit
-def _store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask,
-                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """A tile (+ bias, + residual, laid out as the output) in the output's dtype."""
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    if HAS_RESIDUAL:
-        acc += tl.load(r_ptr + out_off, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> MatmulConfig:
@@ -267,6 +258,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         if config is None and triton_fp8_linear.use_scaled_mm(m, n, k, out_dtype):
             y = triton_fp8_linear.scaled_mm(x2, x_scales, qweight, scales, bias)
             return (y if residual is None else y.add_(residual)).view(*lead, n)
+        if config is None and triton_fp8_skinny.takes(m, n, k, out_dtype):
+            return triton_fp8_skinny.skinny_mm(x2, x_scales, qweight, scales, bias, residual, out_dtype).view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     per_channel = not int4 and group >= k
     cfg = config or pick_config(m, n, k, x.device, fp8)

@@ -7,8 +7,9 @@ the engine one row goes to the GEMV instead (kernels/triton_gemv.py, timed on ev
 
     python -m tokenmill.quant.bench --out bench_results/quant.json
 
-`--fp8-gemm` times FP8 at 17 to 1,024 rows on Llama-3-8B's four decode matrices instead: the tile kernel's e4m3
-dots (its FP8_GEMM config and, with --tune, the best of a grid) against cuBLAS's rowwise FP8 GEMM (with and without
+`--fp8-gemm` times FP8 at 16 to 1,024 rows on Llama-3-8B's four decode matrices instead: the tile kernel's e4m3
+dots (its FP8_GEMM config and, with --tune, the best of a grid) and, up to triton_fp8_skinny.MAX_ROWS rows, the
+swapped-operand decode kernel, against cuBLAS's rowwise FP8 GEMM (with and without
 fast accumulation) and bf16, weights rotated through more copies than L2 holds: the timings that
 triton_fp8_linear.use_scaled_mm's choice between the two rests on.
 """
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tokenmill.kernels import triton_fp8_linear
+from tokenmill.kernels import triton_fp8_linear, triton_fp8_skinny
 from tokenmill.kernels.bench_gemv import LAYER, LLAMA3_8B, time_rotating
 from tokenmill.kernels.bench_kernels import HBM_BYTES_PER_S, median_ms
 from tokenmill.kernels.triton_quant import SKINNY_M, MatmulConfig, pick_config, quant_linear, with_split
@@ -47,10 +48,13 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune
                  + (0 if qw.mins is None else qw.mins.numel() * 2) + x.numel() * 2 + m * n * 2)
         args = (x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None)
         tile = pick_config(m, n, k, x.device)  # given explicitly: one row would otherwise go to the GEMV
-        dispatched = fmt.fp8 and m > SKINNY_M  # FP8's own dispatch: e4m3 tiles or cuBLAS beyond 16 rows
+        skinny = fmt.fp8 and triton_fp8_skinny.takes(m, n, k, x.dtype)
+        dispatched = fmt.fp8 and (m > SKINNY_M or skinny)  # FP8's own dispatch: its decode kernel, tiles, cuBLAS
         ms = median_ms(lambda args=args, tile=None if dispatched else tile: quant_linear(*args, tile))
         label = describe(pick_config(m, n, k, x.device, fmt.fp8) if dispatched else tile)
-        if dispatched and triton_fp8_linear.use_scaled_mm(m, n, k, x.dtype):
+        if skinny:
+            label = describe_skinny(triton_fp8_skinny.default_config(n))
+        elif dispatched and triton_fp8_linear.use_scaled_mm(m, n, k, x.dtype):
             label = "cuBLAS FP8"
         rows.append(_row(name, n, k, m, ms, moved, flops, bf16_ms, label))
         if tune:
@@ -83,7 +87,12 @@ def best_config(args: tuple, m: int, n: int, k: int) -> tuple[float, MatmulConfi
     return best
 
 
-FP8_GEMM_ROWS = (17, 32, 64, 128, 256, 512, 1024)
+def describe_skinny(cfg: triton_fp8_skinny.SkinnyConfig) -> str:
+    return (f"swapped n{cfg.block_n} k{cfg.block_k} {cfg.programs_per_sm} a multiprocessor warps {cfg.num_warps} "
+            f"stages {cfg.num_stages}")
+
+
+FP8_GEMM_ROWS = (16, 17, 32, 64, 128, 256, 512, 1024)
 L2_BYTES = 64 << 20  # more than the H200's 50 MB of L2: rotating through this many bytes of weights misses it
 
 
@@ -108,6 +117,10 @@ def bench_fp8_gemm(n: int, k: int, rows: tuple[int, ...] = FP8_GEMM_ROWS, tune: 
         default = pick_config(m, n, k, x.device, fp8=True)
         ms = time_rotating(lambda *a: quant_linear(*a, default), sets)
         found.append(_row("tile e4m3", n, k, m, ms, moved, flops, bf16_ms, describe(default)))
+        if triton_fp8_skinny.takes(m, n, k, torch.bfloat16):
+            ms = time_rotating(_skinny_fp8, sets)
+            found.append(_row("swapped e4m3", n, k, m, ms, moved, flops, bf16_ms,
+                              describe_skinny(triton_fp8_skinny.default_config(n))))
         if tune:
             best_ms, best = best_fp8_config(sets, m, n, k)
             found.append(_row("tile e4m3 best", n, k, m, best_ms, moved, flops, bf16_ms, describe(best)))
@@ -119,6 +132,11 @@ def _cublas_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *_
                 fast: bool = False) -> torch.Tensor:
     xq, x_scales = triton_fp8_linear.quantize_rows(x)
     return triton_fp8_linear.scaled_mm(xq, x_scales, qweight, scales, None, fast_accum=fast)
+
+
+def _skinny_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *_: object) -> torch.Tensor:
+    xq, x_scales = triton_fp8_linear.quantize_rows(x)
+    return triton_fp8_skinny.skinny_mm(xq, x_scales, qweight, scales, None, None, torch.bfloat16)
 
 
 def best_fp8_config(sets: list[tuple], m: int, n: int, k: int) -> tuple[float, MatmulConfig]:
