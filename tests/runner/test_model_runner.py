@@ -43,6 +43,23 @@ def test_pool_given_in_tokens():
         engine(kv_cache_tokens=8)
 
 
+def test_memory_profile_runs_the_whole_step_budget():
+    """The profiling forward is the largest step the scheduler can form: a token budget beyond one context is
+    several prompts of at most max_model_len tokens, capped at max_num_seqs of them, and the model sees every
+    one of their tokens (a budget profiled as one max_model_len prompt left the rest of its activations out)."""
+    e = engine(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=200)
+    assert e.runner.worst_case_prefill() == [64, 64, 64, 8]
+    assert engine(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=1000).runner.worst_case_prefill() == [64] * 4
+    assert engine(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=48).runner.worst_case_prefill() == [48]
+    seen = []
+    hook = e.runner.model.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(out.shape[0]))
+    try:
+        e.runner._placeholder_prefill(e.runner.worst_case_prefill(), logits=True)
+    finally:
+        hook.remove()
+    assert seen == [200]
+
+
 def test_cache_is_stored_head_major_and_written_in_place():
     """Every layer's caches are views of the one pool, [block, token, KV head, d] over head-major storage; a
     request's K rows land in that storage at its blocks' (block, KV head, token) runs and nowhere else."""

@@ -138,28 +138,42 @@ class ModelRunner:
                 width = kv_row_width(m.head_dim, self.kv_dtype)
                 m.k_cache, m.v_cache = kv_cache_zeros((2,), 2, self.block_size, m.num_kv_heads, width,
                                                       self.kv_dtype, self.device)
-        self._placeholder_prefill(self._max_prefill(), logits=True)
+        self._placeholder_prefill(self.worst_case_prefill(), logits=True)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         in_use_by_others = total - free - torch.cuda.memory_reserved()
         return int(total * self.args.gpu_memory_utilization - peak - max(in_use_by_others, 0))
 
+    def worst_case_prefill(self) -> list[int]:
+        """The prompt lengths of the largest step the scheduler can form: the whole token budget (at most
+        max_num_seqs requests of max_model_len tokens) in prompts of max_model_len tokens. A budget beyond one
+        context (vLLM's offline 16384 over an 8192-token model) has several prompts a step, and their
+        activations are what the profile must see: profiled as one prompt of max_model_len tokens, a
+        131072-token budget ran out of memory in its first step (docs/BENCHMARKS.md)."""
+        tokens = min(self.args.max_num_batched_tokens, self.args.max_num_seqs * self.max_model_len)
+        full, rest = divmod(tokens, self.max_model_len)
+        return [self.max_model_len] * full + ([rest] if rest else [])
+
     def _max_prefill(self) -> int:
         return min(self.args.max_num_batched_tokens, self.max_model_len)
 
-    def _placeholder_prefill(self, n: int, logits: bool = False) -> None:
-        """One sequence of n placeholder tokens through the model (slot -1: nothing is written to the cache);
-        logits: also the LM head over as many rows as a step can sample."""
+    def _placeholder_prefill(self, prompt_lens: list[int], logits: bool = False) -> None:
+        """Prompts of these lengths through the model as one step of placeholder tokens (slot -1: nothing is
+        written to the cache); logits: also the LM head over as many rows as a step can sample."""
+        n = sum(prompt_lens)
+        lens = torch.tensor(prompt_lens, dtype=torch.int32)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, math.ceil(n / self.block_size), dtype=torch.int32, device=self.device),
-            max_query_len=n, max_seq_len=n)
+            query_start_loc=torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(self.device),
+            seq_lens=lens.to(self.device),
+            block_tables=torch.zeros(len(prompt_lens), math.ceil(max(prompt_lens) / self.block_size),
+                                     dtype=torch.int32, device=self.device),
+            max_query_len=max(prompt_lens), max_seq_len=max(prompt_lens))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(length) for length in prompt_lens]).to(self.device)
         with forward_context(meta):
-            hidden = self.model(ids, torch.arange(n, device=self.device))
+            hidden = self.model(ids, positions)
             if logits:
                 self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
 
@@ -172,7 +186,7 @@ class ModelRunner:
         from tokenmill.kernels.triton_attention import PREFILL_QUERY_TILES
         tiles = {min(tile, self._max_prefill()) for tile in PREFILL_QUERY_TILES}
         for n in sorted({length for tile in tiles for length in (tile, tile - 1) if length > 1}):
-            self._placeholder_prefill(n)
+            self._placeholder_prefill([n])
 
     @torch.inference_mode()
     def _compile_sampler(self) -> None:
