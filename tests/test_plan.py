@@ -52,6 +52,17 @@ def test_llama3_8b_capacity_on_80gib():
     assert p.fits
 
 
+def test_activations_of_a_budget_beyond_one_context():
+    """A step budget larger than max_model_len holds several prompts: the activations are the whole budget's
+    (at most max_num_seqs prompts of max_model_len), as the engine's memory profile runs them."""
+    c = get_preset("llama-3-8b")
+    per_token = (4 * 4096 + 4096 + 2 * 1024 + 3 * 14336) * 2
+    p = make_plan("llama-3-8b", c, 141 * GiB, max_model_len=8192, max_num_batched_tokens=65536)
+    assert p.activation_bytes == 65536 * per_token + 2 * 256 * 128256 * 4 + GiB
+    p = make_plan("llama-3-8b", c, 141 * GiB, max_model_len=8192, max_num_batched_tokens=65536, max_num_seqs=2)
+    assert p.activation_bytes == 2 * 8192 * per_token + 2 * 2 * 128256 * 4 + GiB
+
+
 def test_qwen3_8b_by_hand():
     c = get_preset("qwen3-8b")
     assert kv_bytes_per_token(c, "bf16") == 2 * 36 * 8 * 128 * 2 == 147456

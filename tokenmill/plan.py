@@ -180,7 +180,10 @@ def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = 
     avg = avg_context or max(1, max_len // 4)
     usable = int(memory * gpu_memory_utilization)
     weights = weight_bytes(config, weight_dtype, tp, group_size or 128, quantize_lm_head)
-    acts = activation_bytes(config, weight_dtype, tp, min(max_num_batched_tokens, max_len), max_num_seqs)
+    # the largest step: the whole token budget, as several prompts where it exceeds one context (the engine's
+    # memory profile runs the same batch: runner/model_runner.worst_case_prefill)
+    acts = activation_bytes(config, weight_dtype, tp, min(max_num_batched_tokens, max_num_seqs * max_len),
+                            max_num_seqs)
     per_token = kv_bytes_per_token(config, kv_dtype, tp)
     budget = max(0, usable - weights - acts)
     blocks = budget // (per_token * block_size)
