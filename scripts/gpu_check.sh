@@ -117,7 +117,7 @@ fp8() {
     # --hf-requests: transformers' continuous batching (bf16) on the workload's first 64 requests, tokenmill too
     # (six engines and transformers: ~8 min, past the default STEP_TIMEOUT; run the section with STEP_TIMEOUT=560)
     step "throughput fp8" "$PY" -m tokenmill.cli bench throughput "${DUMMY[@]}" --temperatures 0.6 --breakdown \
-        --sweep max_num_batched_tokens=8192,16384,32768 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
+        --sweep max_num_batched_tokens=16384,32768,65536 async_scheduling=true kv_cache_dtype=fp8 quantization=none,fp8 \
         --hf-requests 64 --out "$OUT_DIR/throughput_fp8.json"
 }
 for section in $SECTIONS; do
