@@ -27,7 +27,11 @@ DECODE_CFG = {"partition": 1024, "tile_n": 64, "num_warps": 4, "num_stages": 2, 
 # The block table's width changes from step to step; Triton would compile a kernel for each width that is 1, a
 # multiple of 16 or neither, seconds each, in the middle of a benchmark or a user's first requests.
 VARYING_ARGS = ("stride_bt", "table_cols")
-PREFILL_CFG = {(2, 64): (128, 64, 4, 3), (2, 128): (128, 128, 8, 3), (2, 256): (64, 32, 8, 2),
+# (query bytes, padded head dim) -> BLOCK_M, BLOCK_N, warps, stages. 16-bit, d 128: 64 x 64 tiles, 4 warps, 2 stages
+# (H200, 2026-12-04, docs/BENCHMARKS.md): the offline workload's 65536-token prefill step (118 prompts of 100-1024
+# tokens) 1.55 against 2.00-2.05 ms a layer with 128 x 128 / 8 warps / 3 stages on bf16 and e4m3 caches, one
+# 8192-token prompt 1.44 against 1.52 (bf16) and 1.72 against 1.71 ms (e4m3).
+PREFILL_CFG = {(2, 64): (128, 64, 4, 3), (2, 128): (64, 64, 4, 2), (2, 256): (64, 32, 8, 2),
                (4, 64): (32, 32, 8, 1), (4, 128): (32, 32, 8, 1), (4, 256): (16, 16, 4, 1)}
 # Every query tile _paged_prefill can pick (PREFILL_CFG's, or smaller when a batch's longest query is short): each
 # is its own compiled kernel, which the model runner compiles at startup.
