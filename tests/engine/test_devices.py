@@ -1,11 +1,14 @@
-"""Device-dependent defaults: the offline LLM class's step budget follows vLLM's table for the GPU it runs on."""
+"""Device-dependent defaults: the offline LLM class's and the server's step budgets follow vLLM's table for the
+GPU they run on; on the command line an unset budget stays unset until the command picks it."""
+import argparse
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tokenmill import LLM
-from tokenmill.engine.devices import offline_max_num_batched_tokens
+from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
+from tokenmill.engine.devices import offline_max_num_batched_tokens, server_max_num_batched_tokens
 
 GIB = 1 << 30
 
@@ -39,3 +42,26 @@ def test_llm_takes_the_device_budget_unless_given(monkeypatch):
     assert seen == [("cpu", 2048)]
     assert LLM(**tiny, max_num_batched_tokens=40).llm_engine.scheduler.config.max_num_batched_tokens == 40
     assert len(seen) == 1  # a given budget is not second-guessed
+
+
+@pytest.mark.parametrize("name, memory, budget", [
+    ("NVIDIA H200", 139 * GIB, 8192),           # vLLM's API server: 8192 on GPUs of 70 GiB or more
+    ("NVIDIA H100 80GB HBM3", 79 * GIB, 8192),
+    ("NVIDIA A100-SXM4-80GB", 79 * GIB, 2048),  # ... but A100s
+    ("NVIDIA L4", 22 * GIB, 2048),              # ... and 2048, the engine's default, on smaller GPUs
+])
+def test_server_budget_on_cuda_follows_vllm(monkeypatch, name, memory, budget):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, total_memory=memory))
+    assert server_max_num_batched_tokens(torch.device("cuda", 0), engine_default=2048) == budget
+    assert server_max_num_batched_tokens(torch.device("cpu"), engine_default=2048) == 2048
+
+
+def test_unset_budget_flag_stays_unset_until_the_command_picks():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    unset = parser.parse_args([])
+    assert unset.max_num_batched_tokens is None  # the server tells "not given" from "given 2048"
+    assert engine_args_from(unset).max_num_batched_tokens == 2048
+    given = parser.parse_args(["--max-num-batched-tokens", "2048"])
+    assert given.max_num_batched_tokens == 2048 and engine_args_from(given).max_num_batched_tokens == 2048

@@ -152,8 +152,9 @@ def check_args(ns: argparse.Namespace) -> None:
     negative positions, and a batch above max_num_seqs would be timed at max_num_seqs under its own label."""
     check_at_least(ns, {"batch_sizes": 1, "input_len": 1, "num_steps": 1, "top": 0, "verify_context": 1,
                         "verify_query_lens": 1, "prefill_tokens": 0})
-    if ns.prefill_tokens > ns.max_num_batched_tokens:
-        raise ValueError(f"--prefill-tokens must be at most --max-num-batched-tokens ({ns.max_num_batched_tokens}) "
+    budget = engine_args_from(ns).max_num_batched_tokens
+    if ns.prefill_tokens > budget:
+        raise ValueError(f"--prefill-tokens must be at most --max-num-batched-tokens ({budget}) "
                          f"to run in one step, got {ns.prefill_tokens}")
     prefill_requests = -(-ns.prefill_tokens // ns.input_len)
     if prefill_requests > ns.max_num_seqs:

@@ -25,7 +25,8 @@ _HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights + activations + KV)",
     "num_gpu_blocks_override": "fix the number of KV blocks",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
-    "max_num_batched_tokens": "token budget of one engine step",
+    "max_num_batched_tokens": "token budget of one engine step (default: 2048; `tokenmill serve` on a GPU of 70 GiB "
+                              "or more but an A100: 8192, as vLLM's API server)",
     "max_num_seqs": "maximum running requests",
     "scheduling_policy": "fcfs | priority",
     "max_queue_len": "maximum waiting requests; more are refused",
@@ -52,6 +53,9 @@ _HELP = {
 }
 
 
+DEVICE_DEFAULTS = ("max_num_batched_tokens",)  # flags whose default some commands choose by device
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -64,11 +68,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         if base is int and f.name == "kv_cache_memory":
             base = parse_bytes
+        if f.name in DEVICE_DEFAULTS:  # unset stays None: the command picks the default for its device
+            parser.add_argument(flag, dest=f.name, type=base, default=None, help=_HELP[f.name])
+            continue
         parser.add_argument(flag, dest=f.name, type=base, default=f.default, help=f"{_HELP[f.name]} (default: %(default)s)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    """EngineArgs of the parsed flags; an unset device-dependent one (still None) takes EngineArgs' default."""
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in values.items() if not (k in DEVICE_DEFAULTS and v is None)})
 
 
 def check_at_least(ns: argparse.Namespace, floors: dict[str, float]) -> None:

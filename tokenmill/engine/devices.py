@@ -24,13 +24,19 @@ def pick_device(device: str, local_rank: int = 0) -> torch.device:
     return picked
 
 
-# vLLM's defaults for its offline LLM class (EngineArgs.get_batch_defaults): GPUs of 70 GiB or more, A100s aside
-# (larger budgets measured slower there), take 16384 tokens a step, smaller GPUs 8192. Offline runs want large
-# prefill steps; a server keeps the engine's smaller default, which bounds the latency a long prompt adds to the
-# decodes sharing its step.
+# vLLM's step budgets when none is given (EngineArgs.get_batch_defaults): GPUs of 70 GiB or more, A100s aside
+# (larger budgets measured slower there), take 16384 tokens a step for the offline LLM class and 8192 for the API
+# server; smaller GPUs 8192 and 2048 (the engine's own default). Offline runs want large prefill steps; a server
+# takes smaller ones, which bound the latency a long prompt adds to the decodes sharing its step.
 LARGE_GPU_BYTES = 70 << 30
 OFFLINE_BUDGET_LARGE_GPU = 16384
 OFFLINE_BUDGET_GPU = 8192
+SERVER_BUDGET_LARGE_GPU = 8192
+
+
+def _large_gpu(device: torch.device) -> bool:
+    props = torch.cuda.get_device_properties(device)
+    return props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()
 
 
 def offline_max_num_batched_tokens(device: torch.device, engine_default: int) -> int:
@@ -38,9 +44,15 @@ def offline_max_num_batched_tokens(device: torch.device, engine_default: int) ->
     elsewhere (on the CPU a step's time grows with its tokens: nothing is gained by larger steps)."""
     if device.type != "cuda":
         return engine_default
-    props = torch.cuda.get_device_properties(device)
-    large = props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()
-    return OFFLINE_BUDGET_LARGE_GPU if large else OFFLINE_BUDGET_GPU
+    return OFFLINE_BUDGET_LARGE_GPU if _large_gpu(device) else OFFLINE_BUDGET_GPU
+
+
+def server_max_num_batched_tokens(device: torch.device, engine_default: int) -> int:
+    """The step token budget of `tokenmill serve` when none is given: vLLM's API server's on a large GPU, the
+    engine's default (vLLM's on smaller GPUs too) elsewhere."""
+    if device.type == "cuda" and _large_gpu(device):
+        return SERVER_BUDGET_LARGE_GPU
+    return engine_default
 
 
 def pick_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:

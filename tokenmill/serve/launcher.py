@@ -15,8 +15,10 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from tokenmill.config import EngineArgs
 from tokenmill.engine.arg_utils import engine_args_from
 from tokenmill.engine.async_engine import RequestFailedError
+from tokenmill.engine.devices import pick_device, server_max_num_batched_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ def run_server(ns: argparse.Namespace) -> None:
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     executor = engine_thread()
+    if ns.max_num_batched_tokens is None:  # vLLM's API server's budget for the GPU
+        ns.max_num_batched_tokens = server_max_num_batched_tokens(pick_device(ns.device),
+                                                                  EngineArgs.max_num_batched_tokens)
     engine = executor.submit(LLMEngine, engine_args_from(ns)).result()
     name = served_model_name(ns, engine.model_path)
     app = build_app(engine, ServerConfig(model_name=name, model_root=engine.model_path or name, api_key=ns.api_key,
