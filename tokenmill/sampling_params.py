@@ -115,10 +115,11 @@ class SamplingParams:
     def verify_vocab(self, vocab_size: int) -> None:
         """Token ids checked against the model's vocabulary, which SamplingParams is built without: the engine
         calls this when the request arrives, so a bad id is the caller's ValueError, not a failing step."""
-        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the model's vocabulary), "
-                             f"got {bad[:5]}")
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                                 f"got {bad[:5]}")
 
     @property
     def greedy(self) -> bool:

@@ -265,6 +265,50 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
                                SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
 
 
+def test_an_aborted_id_is_free_at_once_and_reported_once(llm):
+    """As in vLLM, an aborted request is gone when abort_request returns: its id can be taken again and a failed
+    generate() leaves nothing unfinished; the next step still reports the aborted one, once, before the new one."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("again", [1, 2, 3], params)
+    engine.step()
+    engine.abort_request("again")
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.usable_blocks
+    engine.add_request("again", [4, 5, 6], params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [(o.request_id, o.outputs[0].finish_reason) for o in engine.step() if o.finished]
+    assert finished == [("again", "abort"), ("again", "length")]
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([[1, 2, 3], [10 ** 9]])
+    assert not engine.has_unfinished_requests()
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]  # the call's first prompt
+    assert engine.step() == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"arrival_time": "x"}, "arrival_time must be a finite number of seconds or None, got 'x'"),
+    ({"arrival_time": float("nan")}, "arrival_time must be a finite number"),
+    ({"timeout_s": True}, "timeout_s must be a finite number"),
+    ({"timeout_s": -1}, r"timeout_s must be > 0 seconds"),
+    ({"priority": 5}, "got priority 5 but priority scheduling is not enabled"),
+    ({"request_id": 7}, "request_id must be a string or None, got int 7"),
+    ({"sampling_params": {"max_tokens": 1}}, "sampling_params must be a SamplingParams, got dict"),
+    ({"sampling_params": SamplingParams(stop_token_ids=[10 ** 6])}, r"stop_token_ids token ids must be in \[0, "),
+])
+def test_bad_request_arguments_are_refused_when_added(llm, kwargs, message):
+    """A request argument of the wrong type or range is the caller's ValueError at add_request; a bad arrival time
+    taken as given made every later step fail comparing it."""
+    engine = llm.llm_engine
+    call = {"request_id": "bad", "prompt": [1, 2, 3], "sampling_params": SamplingParams(max_tokens=2), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(**call)
+    assert not engine.scheduler.requests and not engine.has_unfinished_requests()
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].finish_reason \
+        == "length"
+
+
 def test_generate_takes_vllm_prompt_dicts(llm):
     """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, are the prompts they hold (list() of a lone dict
     made its key "prompt" the prompt)."""

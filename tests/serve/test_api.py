@@ -158,7 +158,7 @@ def test_streamed_choices_that_end_at_different_steps_finish_once(client, model_
 
 def test_n_seed_and_extra_sampling_fields(client, model_name):
     kwargs = dict(model=model_name, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=1234, n=3,
-                  extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "priority": 1,
+                  extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1,
                               "ignore_eos": True})
     a = client.chat.completions.create(**kwargs)
     b = client.chat.completions.create(**kwargs, presence_penalty=0.5, frequency_penalty=0.0, user="tester")

@@ -90,6 +90,25 @@ def test_bad_add_fails_only_that_request(engine):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
 
 
+def test_add_requests_takes_a_batch_in_one_step_all_or_none(engine):
+    """A batch of prompts waits for one engine iteration, not one a prompt; a refused one takes the batch with it."""
+    async def scenario(ae, rec):
+        streams = await ae.add_requests([(f"b{i}", prompt(i), PARAMS) for i in range(2)])
+        steps_to_admit = rec.steps
+        outs = [await collect(s) for s in streams]
+        with pytest.raises(ValueError, match="token ids"):
+            await ae.add_requests([("ok", prompt(), PARAMS), ("bad", [10 ** 9], PARAMS)])
+        with pytest.raises(ValueError, match="already in use"):
+            await ae.add_requests([("twice", prompt(), PARAMS), ("twice", prompt(), PARAMS)])
+        return steps_to_admit, outs, await ae.get_stats()
+
+    (steps_to_admit, outs, stats), rec = run(engine, scenario)
+    assert steps_to_admit <= 1
+    assert all(o[-1].finished and len(o[-1].outputs[0].token_ids) == 6 for o in outs)
+    assert "error" in rec.aborts  # "ok", queued beside "bad", was aborted
+    assert blocks_in_use(stats) == 0 and not engine.has_unfinished_requests()
+
+
 def test_queue_full_raises(engine):
     async def scenario(ae, _):
         long = SamplingParams(max_tokens=50, ignore_eos=True)

@@ -59,6 +59,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, conta
     ({"messages": OK_MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": OK_MESSAGES, "timeout_s": -1}, "timeout_s"),
     ({"messages": OK_MESSAGES, "priority": 10 ** 400}, "priority"),
+    ({"messages": OK_MESSAGES, "stop": ["x"] * 1025}, "stop"),
     ({"messages": OK_MESSAGES, "logit_bias": [1]}, "logit_bias"),
     ({"messages": OK_MESSAGES, "logit_bias": {"hello": 1}}, "logit_bias"),
     ({"messages": OK_MESSAGES, "logit_bias": {"-1": 1}}, "logit_bias"),
@@ -319,3 +320,19 @@ def test_full_queue_is_429_with_retry_after(strict_server):
     assert err["type"] == "rate_limit_error"
     assert int(r.headers["retry-after"]) >= 1
     assert strict_server.metric("tokenmill:request_rejected_total", reason="queue_full") >= 1
+
+
+def test_a_batch_that_never_fits_the_queue_is_400_not_429(strict_server):
+    """Two prompts (or n=2) against a queue of one: a retry could never make room, so no Retry-After."""
+    headers = {"Authorization": "Bearer sesame"}
+    for body, param in (({"prompt": ["a", "b"], "max_tokens": 1}, "prompt"), ({"prompt": "a", "n": 2}, "n")):
+        r = httpx.post(strict_server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert_error(r, 400, param, "more than the waiting queue holds (1, --max-queue-len)")
+        assert "retry-after" not in r.headers
+
+
+def test_priority_without_priority_scheduling_is_refused(server):
+    """As vLLM: a priority the FCFS scheduler would ignore is an error, not silently dropped."""
+    body = {"prompt": "hi", "max_tokens": 1, "priority": 5}
+    assert_error(post(server, "/v1/completions", body), 400, None, "priority scheduling is not enabled")
+    assert post(server, "/v1/completions", {**body, "priority": 0}).status_code == 200

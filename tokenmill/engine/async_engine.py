@@ -139,23 +139,43 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, timeout_s: float | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; raises its ValueError / QueueFullError."""
+        return (await self.add_requests([(request_id, prompt, params)], priority, timeout_s))[0]
+
+    async def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams]], priority: int = 0,
+                           timeout_s: float | None = None) -> list[RequestStream]:
+        """Queue (request id, prompt, params) requests, all or none: the engine takes them in one iteration (a
+        batch of prompts waits for one step, not one a prompt). If one is refused the others are aborted and its
+        error raised."""
         if self.failure is not None:
             raise RequestFailedError(f"the engine failed and takes no more requests: {self.failure}")
         if not self.is_running:
             raise RequestFailedError("the engine loop is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id)
-        self._streams[request_id] = stream
-        add = _Add(request_id, prompt, params, priority, timeout_s, asyncio.get_running_loop().create_future())
-        self._adds.append(add)
+        ids = [rid for rid, _, _ in requests]
+        seen: set[str] = set()
+        for rid in ids:
+            if rid in self._streams or rid in seen:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seen.add(rid)
+        loop = asyncio.get_running_loop()
+        streams, adds = [], []
+        for rid, prompt, params in requests:
+            streams.append(RequestStream(rid))
+            self._streams[rid] = streams[-1]
+            adds.append(_Add(rid, prompt, params, priority, timeout_s, loop.create_future()))
+        self._adds.extend(adds)
         self._kick()
         try:
-            await add.done
+            results = await asyncio.gather(*(a.done for a in adds), return_exceptions=True)
         except asyncio.CancelledError:
-            self.abort(request_id, "client_disconnect")
+            for rid in ids:
+                self.abort(rid, "client_disconnect")
             raise
-        return stream
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            for rid in ids:
+                self.abort(rid, "error")
+            raise error
+        return streams
 
     def abort(self, request_id: str, reason: str, error: Exception | None = None) -> None:
         """Abort a request in flight; the engine frees its blocks before its next step. A request whose add

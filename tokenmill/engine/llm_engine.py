@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -110,7 +111,7 @@ class LLMEngine:
         self.spec = Speculator(args, self.runner, self.kv_cache, self.scheduler, draft) if args.speculative else None
         self.groups: dict[str, _Group] = {}
         self.child_to_group: dict[str, _Group] = {}
-        self._pending: dict[str, _Group] = {}   # groups with something to report at the next step
+        self._pending: dict[int, _Group] = {}   # by id(): groups with something to report at the next step
         self.last_step = StepStats()
         self._in_flight: LaunchedStep | None = None  # async scheduling: a step whose tokens are not read back
         self.num_generation_tokens = 0
@@ -155,12 +156,25 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None, timeout_s: float | None = None) -> str:
         """Queue a request; raises ValueError for bad input and QueueFullError when the queue is full."""
         params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string or None, got {type(request_id).__name__} {request_id!r}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if (not isinstance(priority, int) or isinstance(priority, bool)
                 or not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT):
             raise ValueError(f"priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {priority!r}")
+        if priority and self.scheduler.config.policy != "priority":  # as vLLM: it would be ignored silently
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled; "
+                             "start the engine with scheduling_policy='priority'")
+        for name, value in (("arrival_time", arrival_time), ("timeout_s", timeout_s)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number of seconds or None, got {value!r}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds (None: the engine's timeout_s), got {timeout_s!r}")
         text, ids = self.encode_prompt(prompt)
         params.verify_vocab(self.model_config.vocab_size)
         self.scheduler.check_request(len(ids), params.max_tokens)
@@ -199,17 +213,19 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Abort (all samples of) a request now: its blocks are freed before this call returns."""
+        """Abort (all samples of) a request now: its blocks are freed and its id is free again before this call
+        returns (as in vLLM); the next step still reports it once, finished with finish_reason "abort"."""
         ids = [request_id] if isinstance(request_id, str) else request_id
         for rid in ids:
-            group = self.groups.get(rid)
+            group = self.groups.pop(rid, None)
             if group is None:
                 continue
             for c in group.children:
                 if not c.is_finished:
                     self.scheduler.abort_request(c.request_id)
                     self.runner.sampler.forget(c.request_id)
-            self._pending[rid] = group
+                self.child_to_group.pop(c.request_id, None)
+            self._pending[id(group)] = group
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -226,7 +242,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         for req in out.timed_out:  # as an abort: a seeded generator kept would go on in a request reusing the id
             self.runner.sampler.forget(req.request_id)
-            self._pending[req.parent_id] = self.child_to_group[req.request_id]
+            group = self.child_to_group[req.request_id]
+            self._pending[id(group)] = group
         if not out.is_empty and self._can_launch_ahead(out):
             with self._watch_workers():
                 try:
@@ -334,11 +351,12 @@ class LLMEngine:
             self.scheduler.finish_request(req, stop[0], stop[1])
             self.runner.sampler.forget(req.request_id)
             m.finished_time = now
-        self._pending[group.request_id] = group
+        self._pending[id(group)] = group
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
-        for rid, group in self._pending.items():
+        for group in self._pending.values():
+            rid = group.request_id
             finished = all(c.is_finished for c in group.children)
             if not finished and group.children[0].sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
@@ -357,10 +375,10 @@ class LLMEngine:
             outputs.append(RequestOutput(rid, group.prompt, group.prompt_token_ids, completions, finished,
                                          first.metrics, first.num_cached_tokens,
                                          error=first.error))
-            if finished:
-                self.groups.pop(rid, None)
+            if finished and self.groups.get(rid) is group:  # an aborted group is gone already
+                del self.groups[rid]
                 for c in group.children:
-                    self.child_to_group.pop(c.request_id, None)
+                    del self.child_to_group[c.request_id]
         self._pending = {}
         return outputs
 

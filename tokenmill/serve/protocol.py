@@ -13,6 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from tokenmill.request import PRIORITY_LIMIT
 
 MAX_STOP_TOKEN_IDS = 1024  # the engine looks a request's stop ids up at every step: a huge list slows every user
+MAX_STOP_STRINGS = 1024  # and searches the new text for each stop string at every step
 # vLLM's structured-output fields: constrained decoding, which tokenmill does not implement
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
@@ -72,7 +73,8 @@ class SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
-    stop: Text | list[Text] | None = Field(None, description="stop strings, not included in the output")
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="stop strings, not included in the output")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

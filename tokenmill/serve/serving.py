@@ -163,12 +163,14 @@ class OpenAIServing:
     async def _add(self, prompts: list[tuple[str, list[int], SamplingParams]],
                    req: SamplingRequest) -> list[RequestStream]:
         """Hand the prompts to the engine, all or none."""
-        streams: list[RequestStream] = []
+        queue = self.engine.engine.scheduler.config.max_queue_len
+        if len(prompts) * req.n > queue:  # a retry could never make room for them: not a 429
+            raise APIError(400, f"{len(prompts)} prompts with n={req.n} are {len(prompts) * req.n} requests, more "
+                                f"than the waiting queue holds ({queue}, --max-queue-len); send at most {queue}",
+                           "prompt" if len(prompts) > 1 else "n", "invalid_value")
         try:
-            for rid, ids, params in prompts:
-                streams.append(await self.engine.add_request(rid, ids, params, req.priority, req.timeout_s))
+            return await self.engine.add_requests(prompts, req.priority, req.timeout_s)
         except BaseException as e:
-            self._abort(streams, "client_disconnect" if isinstance(e, asyncio.CancelledError) else "error")
             if isinstance(e, QueueFullError):
                 self.metrics.on_reject("queue_full")
                 raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
@@ -177,7 +179,6 @@ class OpenAIServing:
             if isinstance(e, RequestFailedError):
                 raise APIError(503, str(e), code="engine_unavailable") from e
             raise
-        return streams
 
     def _abort(self, streams: list[RequestStream], reason: str) -> None:
         for s in streams:

@@ -48,8 +48,11 @@ class StepTrace:
 
 
 def add(engine: LLMEngine, r: SimRequest, arrival_time: float | None = None) -> None:
+    """A workload's classes keep their priorities under either policy (to compare the two), and the engine takes
+    a priority only under "priority" (as vLLM), where FCFS ignores it anyway."""
+    priority = r.priority if engine.scheduler.config.policy == "priority" else 0
     engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                       priority=r.priority, arrival_time=arrival_time)
+                       priority=priority, arrival_time=arrival_time)
 
 
 def replay(engine: LLMEngine, workload: list[SimRequest]) -> tuple[SimResult, list[tuple[StepShape, float]]]:
