@@ -7,16 +7,65 @@ import sys
 import pytest
 
 
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *argv], input="hi\n", capture_output=True,
+                          text=True, timeout=300)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--model", "/nonexistent"], "model path /nonexistent does not exist; expected a Hugging Face"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
     (["generate", "hi", "--load-format", "dummy", "--model-preset", "tiny-llama"], "has no tokenizer"),
     (["chat", "--load-format", "dummy", "--model-preset", "tiny-llama"], "has no tokenizer"),
     (["generate", "hi", "--skip-tokenizer-init"], "has no tokenizer"),
+    # torch's RuntimeError (or a failure later, in the model) for a device the engine does not run on
+    (["generate", "hi", "--device", "tpu"], "device='tpu' is not supported; allowed: auto, cpu, cuda, cuda:N"),
+    (["generate", "hi", "--device", "meta"], "device='meta' is not supported; allowed: auto, cpu, cuda, cuda:N"),
+    (["generate", "hi", "--device", "mps"], "device='mps' is not supported; allowed: auto, cpu, cuda, cuda:N"),
+    (["quantize", "--method", "int8", "--out", "{tmp}/q", "--device", "tpu"], "device='tpu' is not supported"),
+    (["quant-eval", "--device", "meta"], "device='meta' is not supported"),
+    # the error listed every accepted quantization but gguf
+    (["generate", "hi", "--quantization", "int5"], "'int5' is not supported; allowed: int8, int4, int8-g<N>, "
+                                                   "int4-g<N> with N in (32, 64, 128), fp8, or gguf"),
+    # the planner and the simulator accepted what the engine refuses
+    (["plan", "--model", "llama-3-8b", "--max-model-len", "100000"],
+     "max_model_len=100000 exceeds the model's max_position_embeddings 8192"),
+    (["plan", "--model", "llama-3-8b", "--block-size", "24"], "block_size must be a power of two >= 1, got 24"),
+    (["plan", "--model", "llama-3-8b", "--weight-dtype", "int4", "--group-size", "0"],
+     "group size must be one of (32, 64, 128), got 0"),
+    (["simulate", "--model", "llama-3-8b", "--max-model-len", "100000"],
+     "max_model_len=100000 exceeds the model's max_position_embeddings 8192"),
+    (["simulate", "--model", "llama-3-8b", "--cost-model", "{tmp}/file"], "--cost-model {tmp}/file is not JSON"),
+    # found out after minutes of quantizing or evaluating, with a traceback
+    (["quantize", "--method", "int8", "--out", "{tmp}/file/q"], "output folder {tmp}/file/q cannot be created: "
+                                                                 "{tmp}/file is not a folder"),
+    (["quantize", "--method", "int8", "--out", "/proc/tokenmill/q"], "output folder /proc/tokenmill/q cannot be "
+                                                                     "written: creating a file in /proc failed"),
+    (["quant-eval", "--json", "{tmp}"], "--json {tmp} is a directory; give a file path"),
+    (["quant-eval", "--plot", "{tmp}/file/kl.png"], "--plot folder {tmp}/file cannot be created"),
+    (["quant-eval", "--max-tokens", "0", "--replay", "{tmp}/prompts.jsonl"], "--max-tokens must be at least 1, got 0"),
 ])
-def test_bad_input_is_a_message_and_status_2(argv, message):
-    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", *argv], input="hi\n", capture_output=True, text=True,
-                       timeout=300)
+def test_bad_input_is_a_message_and_status_2(argv, message, tmp_path):
+    (tmp_path / "file").write_text("not JSON")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    r = _run([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert r.returncode == 2, r.stderr
+    message = message.replace("{tmp}", str(tmp_path))
     assert r.stderr.startswith("tokenmill: error: ") and message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "hi", "--kv-cache-memory", "inf"],
+    ["plan", "--memory", "inf"],
+    ["plan", "--memory", "nan"],
+    ["simulate", "--memory", "1e400"],
+    ["plan", "--memory", "80G"],
+])
+def test_a_bad_size_is_argparses_error_listing_the_units(argv):
+    """inf and 1e400 were an OverflowError traceback; argparse's "invalid parse_bytes value" listed no unit."""
+    r = _run(argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tokenmill {argv[0]}: error: argument {argv[-2]}: invalid size {argv[-1]!r}"), last
+    assert "KB, MB, GB, TB" in last and "KiB, MiB, GiB, TiB" in last, last

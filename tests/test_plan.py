@@ -201,7 +201,23 @@ def test_cli_bad_input_is_a_message_not_a_traceback():
     (["--gpu-memory-utilization", "-1"], "--gpu-memory-utilization must be in"),      # "fits NO"
     (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization must be in"),     # "cannot convert float NaN"
     (["--weight-dtype", "fp8", "--group-size", "32"], "--group-size applies to int4"),  # silently the same plan
+    # "fits yes" for what the engine refuses: the engine's rules and messages
+    (["--max-model-len", "100000"], "max_model_len=100000 exceeds the model's max_position_embeddings 8192"),
+    (["--block-size", "24"], "block_size must be a power of two >= 1, got 24"),
+    (["--weight-dtype", "int4", "--group-size", "0"], r"group size must be one of \(32, 64, 128\), got 0"),  # 128
+    (["--weight-dtype", "int4", "--group-size", "48"], r"group size must be one of \(32, 64, 128\), got 48"),
 ])
 def test_cli_sizes_out_of_range_are_refused(flags, match):
     with pytest.raises(ValueError, match=match):
         main(["plan", "--model", "llama-3-8b", *flags])
+
+
+def test_sizes_with_units_and_bad_ones():
+    """inf, 1e400 and nan were an OverflowError (a traceback); the error now lists what is accepted."""
+    from tokenmill.units import parse_bytes
+    assert [parse_bytes(t) for t in ("1073741824", "1GiB", " 512mib ", "2GB", "1.5KB", "10B")] == \
+        [1 << 30, 1 << 30, 512 << 20, 2 * 10 ** 9, 1500, 10]
+    for text in ("inf", "1e400", "nan", "-inf", "1e300TiB", "80G", "", "GiB"):
+        with pytest.raises(ValueError, match=f"invalid size {text!r}: expected a number of bytes, optionally with a "
+                                             r"unit .*KB, MB, GB, TB .*KiB, MiB, GiB, TiB"):
+            parse_bytes(text)

@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from tokenmill.config import ModelConfig
-from tokenmill.quant.formats import QuantFormat
+from tokenmill.quant.formats import DEFAULT_INT4_GROUP, QuantFormat
 
 # bytes per element
 WEIGHT_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5}
@@ -149,7 +149,8 @@ class Plan:
 def _check_sizes(memory: int, gpu_memory_utilization: float, block_size: int, max_model_len: int | None,
                  avg_context: int | None, max_num_batched_tokens: int, max_num_seqs: int) -> None:
     """The sizes the arithmetic divides by or counts with: a zero block size or a negative context would divide by
-    zero, a negative memory or utilization would give a plan that reads as if it meant something."""
+    zero, a negative memory or utilization would give a plan that reads as if it meant something; and a block size
+    the engine refuses would plan an engine that cannot be started."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     for flag, value in (("--memory", memory), ("--block-size", block_size), ("--max-model-len", max_model_len),
@@ -157,6 +158,8 @@ def _check_sizes(memory: int, gpu_memory_utilization: float, block_size: int, ma
                         ("--max-num-seqs", max_num_seqs)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
+    if block_size & (block_size - 1):  # the engine's rule and message (EngineArgs)
+        raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
 
 
 def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = "auto", kv_dtype: str = "auto",
@@ -177,9 +180,13 @@ def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"KV dtype {kv_dtype!r} is not one of auto, {', '.join(KV_DTYPES)}")
     max_len = max_model_len or config.max_position_embeddings
+    if max_len > config.max_position_embeddings:  # the engine's rule and message (LLMEngine)
+        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
     avg = avg_context or max(1, max_len // 4)
     usable = int(memory * gpu_memory_utilization)
-    weights = weight_bytes(config, weight_dtype, tp, group_size or 128, quantize_lm_head)
+    weights = weight_bytes(config, weight_dtype, tp, DEFAULT_INT4_GROUP if group_size is None else group_size,
+                           quantize_lm_head)
     # the largest step: the whole token budget, as several prompts where it exceeds one context (the engine's
     # memory profile runs the same batch: runner/model_runner.worst_case_prefill)
     acts = activation_bytes(config, weight_dtype, tp, min(max_num_batched_tokens, max_num_seqs * max_len),

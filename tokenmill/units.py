@@ -1,13 +1,28 @@
 """Sizes as people write them on a command line, parsed without importing torch (the router reads them too)."""
 from __future__ import annotations
 
+import argparse
+import math
+
+_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
+
+
+class SizeError(ValueError, argparse.ArgumentTypeError):
+    """A ValueError to callers; as the type of a flag, argparse shows its message (for a plain ValueError it would
+    say only "invalid parse_bytes value")."""
+
 
 def parse_bytes(text: str) -> int:
     """'1073741824', '1GiB', '512MiB', '2GB'."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-             "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
     t = text.strip().lower()
-    for u, mult in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * mult)
-    return int(float(t))
+    unit = next((u for u in _UNITS if t.endswith(u)), "")
+    try:
+        size = float(t[: len(t) - len(unit)]) * _UNITS.get(unit, 1)
+    except ValueError:
+        size = math.nan
+    if not math.isfinite(size):  # int() would raise an OverflowError for inf, a message naming no unit for nan
+        raise SizeError(f"invalid size {text!r}: expected a number of bytes, optionally with a unit (case ignored): "
+                        "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); e.g. 80GiB, "
+                        "512MiB, 2GB")
+    return int(size)

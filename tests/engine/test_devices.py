@@ -8,7 +8,7 @@ import torch
 
 from tokenmill import LLM
 from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
-from tokenmill.engine.devices import offline_max_num_batched_tokens, server_max_num_batched_tokens
+from tokenmill.engine.devices import offline_max_num_batched_tokens, pick_device, server_max_num_batched_tokens
 
 GIB = 1 << 30
 
@@ -65,3 +65,23 @@ def test_unset_budget_flag_stays_unset_until_the_command_picks():
     assert engine_args_from(unset).max_num_batched_tokens == 2048
     given = parser.parse_args(["--max-num-batched-tokens", "2048"])
     assert given.max_num_batched_tokens == 2048 and engine_args_from(given).max_num_batched_tokens == 2048
+
+
+@pytest.mark.parametrize("device", ["tpu", "meta", "mps", "cpu:0", "cuda:x", "gpu", ""])
+def test_unsupported_device_is_a_value_error_naming_the_allowed_ones(device):
+    """torch.device took these (or raised a RuntimeError), and the engine failed later, with a torch traceback."""
+    with pytest.raises(ValueError, match=r"is not supported; allowed: auto, cpu, cuda, cuda:N"):
+        pick_device(device)
+
+
+def test_cuda_without_a_gpu_and_a_gpu_index_past_the_last_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match="CUDA is not available; use device='cpu'"):
+            pick_device(device)
+    assert pick_device("auto") == pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda") == torch.device("cuda") and pick_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device='cuda:2': this machine has 2 GPU\(s\), cuda:0 .. cuda:1"):
+        pick_device("cuda:2")

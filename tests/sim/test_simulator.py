@@ -150,6 +150,17 @@ def test_cost_model_round_trip(tmp_path):
         CostModel.load(str(path))
 
 
+def test_cli_cost_model_that_is_not_json_is_named(tmp_path):
+    """json's "Expecting value: line 1 column 1 (char 0)" named no file."""
+    for name, data in (("cost.txt", b"step 0.001"), ("cost.bin", b"\xff\xfe")):
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(ValueError) as e:
+            main(["simulate", "--model", "tiny-llama", "--cost-model", str(path)])
+        assert str(e.value).startswith(f"--cost-model {path} is not JSON ("), e.value
+        assert "as `tokenmill simulate --fit` writes it: {'coefficients': {step, prefill_tokens" in str(e.value)
+
+
 def test_cli_simulate_table_plot_and_sweep(tmp_path, capsys):
     png = tmp_path / "sim.png"
     main(["simulate", "--model", "llama-3-8b", "--class", "short:n=50,rate=10,in=128,out=32,priority=0",
@@ -204,6 +215,8 @@ def test_cli_zero_prompts_is_a_message_not_a_traceback():
     (["--goodput", "ttft:nan"], "--goodput takes NAME:MILLISECONDS"),                   # "ttft <= nan ms"
     (["--fit", "--fit-batch-sizes", "0"], "--fit-batch-sizes must be at least 1, got 0"),   # IndexError
     (["--fit", "--fit-prompt-lens", ""], "--fit-prompt-lens needs at least one value"),     # IndexError
+    # a pool sized for contexts the engine refuses
+    (["--max-model-len", "100000"], "max_model_len=100000 exceeds the model's max_position_embeddings 4096"),
 ])
 def test_cli_bad_numbers_are_refused_before_anything_is_built(flags, match):
     with pytest.raises(ValueError, match=match):

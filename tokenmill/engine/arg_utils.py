@@ -15,7 +15,7 @@ _HELP = {
     "tokenizer": "tokenizer folder or GGUF (default: the model's)",
     "skip_tokenizer_init": "load no tokenizer: prompts and outputs are token ids only",
     "dtype": "compute dtype: auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bf16 on CUDA)",
-    "device": "auto | cpu | cuda",
+    "device": "auto | cpu | cuda | cuda:N",
     "seed": "seed of the engine's random generator",
     "max_model_len": "maximum context (prompt + output) per request",
     "block_size": "tokens per KV cache block",
@@ -37,7 +37,8 @@ _HELP = {
     "enforce_eager": "disable CUDA graphs",
     "async_scheduling": "overlap each step's host work with the previous step on the GPU (tokens fed from the "
                         "device; off with speculation, tensor parallelism, penalties or logprobs)",
-    "quantization": "weight quantization: int8 | int4 | fp8 (e4m3 weights and per-token activations)",
+    "quantization": "weight quantization: int8 | int4 | fp8 (e4m3 weights and per-token activations) | gguf (a GGUF "
+                    "file's own quantized tensors)",
     "quantize_lm_head": "with --quantization int8 | int4 | fp8: quantize the LM head too (off, as in vLLM: a quantized "
                         "checkpoint or GGUF file says itself)",
     "kv_cache_dtype": "auto | fp8 | int8",

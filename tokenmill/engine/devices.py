@@ -3,18 +3,28 @@ compute dtype."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 from tokenmill.config import parse_dtype
 
+_DEVICES = re.compile(r"cpu|cuda(?::(\d+))?")
+
 
 def pick_device(device: str, local_rank: int = 0) -> torch.device:
-    """The device named by EngineArgs.device; on CUDA, tensor-parallel rank i of a node takes GPU i."""
+    """The device named by EngineArgs.device; on CUDA, tensor-parallel rank i of a node takes GPU i. The engine
+    runs on the CPU and CUDA GPUs only: another torch device (mps, meta, ...) is refused here, not deep in torch."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    m = _DEVICES.fullmatch(device)
+    if m is None:
+        raise ValueError(f"device={device!r} is not supported; allowed: auto, cpu, cuda, cuda:N (GPU N)")
+    if device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} was asked for but CUDA is not available; use device='cpu'")
+    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     picked = torch.device(device)
     if picked.type == "cuda" and local_rank:
         if local_rank >= torch.cuda.device_count():

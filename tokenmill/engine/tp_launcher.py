@@ -25,8 +25,7 @@ from tokenmill.distributed import (TIMEOUT_ENV, broadcast_object, collective_tim
                                    destroy_tp_group, gather_object, init_tp_group)
 from tokenmill.engine.devices import share_cpu_threads
 from tokenmill.engine.tp_worker import KEEPALIVE, SHUTDOWN, CollectiveRPC, ranks_per_node, run_worker
-from tokenmill.quant.formats import QuantFormat
-from tokenmill.quant.loading import GGUF_NATIVE
+from tokenmill.quant.loading import GGUF_NATIVE, parse_quantization
 from tokenmill.quant.sharding import check_row_parallel
 from tokenmill.runner.model_runner import ModelRunner
 
@@ -60,7 +59,7 @@ def check_quant_split(config: ModelConfig, tp: int, quantization: str | None) ->
     layers are built)."""
     if quantization is None or quantization == GGUF_NATIVE:
         return
-    fmt = QuantFormat.parse(quantization)
+    fmt = parse_quantization(quantization)
     for in_features in (config.num_attention_heads * config.head_dim, config.intermediate_size):
         check_row_parallel(fmt, in_features, tp)
 

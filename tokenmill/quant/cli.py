@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 
+from tokenmill.engine.arg_utils import check_at_least
 from tokenmill.quant.formats import GROUP_SIZES, QuantFormat
 from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
-from tokenmill.quant.quantize import CALIBRATIONS
+from tokenmill.quant.quantize import CALIBRATIONS, check_can_create
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -15,7 +17,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=None, choices=GROUP_SIZES,
                    help="inputs per scale: int4 default 128; int8 default one scale per output channel (fp8: always)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     p.add_argument("--calibration", default="auto", choices=CALIBRATIONS,
                    help="gptq: calibrated on pydoc_data (slow, best); rtn: plain rounding; auto: gptq for int4, "
                         "rtn for int8 and fp8 (default: %(default)s)")
@@ -61,9 +63,27 @@ def cmd_quantize(ns: argparse.Namespace) -> None:
     print(f"wrote {fmt.name} model to {out}")
 
 
+def check_output_files(ns: argparse.Namespace) -> None:
+    """--json and --plot are written after the evaluation, minutes later: a path that cannot be is refused before
+    it starts (a missing folder is made when written)."""
+    for flag, path in (("--json", ns.json), ("--plot", ns.plot)):
+        if path and path != "-":
+            if os.path.isdir(path):
+                raise ValueError(f"{flag} {path} is a directory; give a file path")
+            check_can_create(os.path.dirname(path) or ".", f"{flag} folder")
+
+
+def in_folder(path: str) -> str:
+    """path, its folder made if missing."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
+
+
 def cmd_quant_eval(ns: argparse.Namespace) -> None:
     from tokenmill.quant.eval import evaluate
     from tokenmill.quant.report import format_report, save_plot
+    check_output_files(ns)
+    check_at_least(ns, {"max_tokens": 1})
     fmt = None if ns.method == "none" else QuantFormat.parse(ns.method, ns.group_size)
     prompts = None
     if ns.replay:  # read before the evaluation, so a bad line costs no minutes of it
@@ -83,12 +103,12 @@ def cmd_quant_eval(ns: argparse.Namespace) -> None:
                 quant.update(model=save, load_format="auto")
             result["replay"] = replay(prompts, base, quant, ns.max_tokens)
     if ns.plot:
-        save_plot(result, ns.plot)
+        save_plot(result, in_folder(ns.plot))
     token_kl = result.pop("token_kl")
     if ns.json == "-":
         print(json.dumps(result, indent=1))
         return
     print(format_report(result))
     if ns.json:
-        with open(ns.json, "w", encoding="utf-8") as f:
+        with open(in_folder(ns.json), "w", encoding="utf-8") as f:
             json.dump({**result, "token_kl": token_kl}, f, indent=1)

@@ -106,7 +106,7 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
     from tokenmill.engine.llm_engine import pick_device, pick_dtype
     from tokenmill.model.loader import load_model, load_model_config, resolve_model
     from tokenmill.quant.kv_cache import kv_cache_torch_dtype, prepare_fp8_kv
-    from tokenmill.quant.quantize import quantize_weights, resolve_calibration
+    from tokenmill.quant.quantize import check_calibration, quantize_weights, resolve_calibration
     from tokenmill.tokenizer import load_tokenizer
 
     if fmt is None and kv_cache_dtype == "auto":
@@ -119,6 +119,8 @@ def evaluate(model: str | None, fmt: QuantFormat | None, kv_cache_dtype: str = "
         raise ValueError(f"skip_top must be >= 0 (projections kept in 16-bit), got {skip_top}")
     if num_tokens < 2:  # a slice by 0 or a negative count would be (nearly) the whole corpus
         raise ValueError(f"num_tokens must be at least 2 (a token and the one it predicts), got {num_tokens}")
+    if fmt is not None:
+        check_calibration(calibration, fmt, calibration_tokens)
     path = resolve_model(model)
     dev = pick_device(device)
     config = load_model_config(path, load_format)

@@ -39,6 +39,10 @@ FP8 = "fp8"
 FP8_MAX = 448.0                     # the largest finite float8_e4m3fn
 
 
+class UnknownMethodError(ValueError):
+    """A method name that is no format: callers that take other names too (the engine's 'gguf') list them."""
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     """bits 8 or 4; group_size None means one group per row (INT8 and FP8). fp8: e4m3 weights and activations
@@ -66,8 +70,8 @@ class QuantFormat:
             return cls(8, None, fp8=True)
         m = _METHOD_RE.fullmatch(method)
         if m is None:
-            raise ValueError(f"quantization method {method!r} is not supported; allowed: int8, int4, "
-                             f"int8-g<N>, int4-g<N> with N in {GROUP_SIZES}, fp8")
+            raise UnknownMethodError(f"quantization method {method!r} is not supported; allowed: int8, int4, "
+                                     f"int8-g<N>, int4-g<N> with N in {GROUP_SIZES}, fp8")
         if m.group(2) is not None:
             if group_size is not None and group_size != int(m.group(2)):
                 raise ValueError(f"method {method!r} conflicts with group size {group_size}")

@@ -26,7 +26,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.model.gguf_loader import dequantize_tensor, gguf_tensor_types, iter_gguf_raw_tensors, iter_gguf_weights
 from tokenmill.model.hf_loader import iter_safetensors_weights, read_json, safetensors_files
 from tokenmill.model.llama import _STACKED
-from tokenmill.quant.formats import QuantFormat, QuantizedWeight
+from tokenmill.quant.formats import QuantFormat, QuantizedWeight, UnknownMethodError
 from tokenmill.quant.gguf import gguf_to_quantized, native_format
 from tokenmill.quant.linear import QuantLinear, to_quant_linear
 
@@ -54,6 +54,15 @@ def checkpoint_quant_config(model_path: str | None) -> dict | None:
     return read_json(os.path.join(model_path, "config.json"), "a Hugging Face model config").get("quantization_config")
 
 
+def parse_quantization(quantization: str) -> QuantFormat:
+    """The format of a `quantization` value other than 'gguf'; an unknown name's error lists 'gguf' with the
+    formats (which are also `tokenmill quantize`'s, where 'gguf' is no choice)."""
+    try:
+        return QuantFormat.parse(quantization)
+    except UnknownMethodError as e:
+        raise ValueError(f"{e}, or {GGUF_NATIVE} (a GGUF file's own quantized tensors)") from None
+
+
 def resolve_quantization(quantization: str | None, model_path: str | None, load_format: str,
                          quantize_lm_head: bool = False) -> QuantSpec | None:
     """The QuantSpec of a load, validated against what the checkpoint holds. quantize_lm_head applies to weights
@@ -69,7 +78,7 @@ def resolve_quantization(quantization: str | None, model_path: str | None, load_
                              f"supported; supported: {QUANT_METHOD!r} (written by `tokenmill quantize`)")
         fmt = QuantFormat.parse(qc["method"], qc.get("group_size"))
         # 'gguf' is no QuantFormat (parse would call it unsupported): it mismatches a folder as any other does
-        if quantization is not None and (quantization == GGUF_NATIVE or QuantFormat.parse(quantization) != fmt):
+        if quantization is not None and (quantization == GGUF_NATIVE or parse_quantization(quantization) != fmt):
             raise ValueError(f"{model_path} is already quantized as {fmt.name}; quantization={quantization!r} "
                              "does not match (leave it unset)")
         return QuantSpec("checkpoint", fmt, frozenset(qc.get("modules_to_not_convert", [])), bool(qc.get(LM_HEAD)))
@@ -80,7 +89,7 @@ def resolve_quantization(quantization: str | None, model_path: str | None, load_
             raise ValueError("quantization='gguf' keeps a GGUF file's own quantized tensors; the model is not "
                              "a GGUF file")
         return QuantSpec(GGUF_NATIVE)
-    return QuantSpec("float", QuantFormat.parse(quantization), lm_head=quantize_lm_head)
+    return QuantSpec("float", parse_quantization(quantization), lm_head=quantize_lm_head)
 
 
 def linear_modules(model: nn.Module) -> dict[str, Linear]:

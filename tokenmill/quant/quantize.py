@@ -3,6 +3,7 @@ quant-eval quantizes through quantize_weights too, so what it measures is what `
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 from torch import nn
@@ -28,6 +29,14 @@ def resolve_calibration(calibration: str, fmt: QuantFormat) -> str:
     return ("gptq" if fmt.bits == 4 else "rtn") if calibration == "auto" else calibration
 
 
+def check_calibration(calibration: str, fmt: QuantFormat, calibration_tokens: int) -> str:
+    """resolve_calibration, and GPTQ's corpus size; quantize and quant-eval call it before a model loads."""
+    resolved = resolve_calibration(calibration, fmt)
+    if resolved == "gptq" and calibration_tokens < 2:  # a slice by 0 or below would be (nearly) the whole corpus
+        raise ValueError(f"calibration_tokens must be at least 2 for GPTQ, got {calibration_tokens}")
+    return resolved
+
+
 def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, tokenizer: Tokenizer,
                      calibration_tokens: int = 4096, skip: list[str] | tuple[str, ...] = (), lm_head: bool = False
                      ) -> dict[str, QuantizedWeight]:
@@ -39,10 +48,8 @@ def quantize_weights(model: nn.Module, fmt: QuantFormat, calibration: str, token
     if packed is not None:
         raise ValueError(f"{packed} is already quantized ({model.get_submodule(packed).weight.dtype}): quantize the "
                          "original float model, not a quantized one")
-    if resolve_calibration(calibration, fmt) == "rtn":
+    if check_calibration(calibration, fmt, calibration_tokens) == "rtn":
         return {name: quantize(model.get_submodule(name).weight.data, fmt) for name in names}
-    if calibration_tokens < 2:  # a slice by 0 or a negative count would be (nearly) the whole corpus
-        raise ValueError(f"calibration_tokens must be at least 2 for GPTQ, got {calibration_tokens}")
     from tokenmill.quant.corpus import WindowRunner, calibration_windows
     from tokenmill.quant.gptq import collect_hessians, gptq_quantize
     windows = calibration_windows(tokenizer, calibration_tokens, CALIBRATION_WINDOW)
@@ -59,13 +66,30 @@ def apply_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None
             replace_module(model, name, to_quant_linear(module, weights[name].fmt, weights[name]))
 
 
+def check_can_create(folder: str, what: str) -> None:
+    """Refuse, before any work, a folder that cannot be created (with its parents) or written: the nearest
+    existing folder on its path must take a new file. Tried, not asked of os.access: root passes that for /proc."""
+    existing = os.path.abspath(folder)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{what} {folder} cannot be created: {existing} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {folder} cannot be written: creating a file in {existing} failed "
+                         f"({e.strerror or e})") from None
+
+
 def check_out_dir(out_dir: str) -> None:
     """Refuse, before any work, an output that is a file or a folder with something in it: the checkpoint would be
     written over what is there (with --out the model's own folder, over the original, which then fails halfway)
-    or mixed with stale files."""
+    or mixed with stale files; or one that cannot be created or written, found out after minutes of quantizing."""
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         what = f"output folder {out_dir} is not empty" if os.path.isdir(out_dir) else f"output {out_dir} is a file"
         raise ValueError(f"{what}; give a new or empty folder (nothing is written over existing files)")
+    check_can_create(out_dir, "output folder")
 
 
 def quantize_checkpoint(model: str | None, fmt: QuantFormat, out_dir: str, skip: list[str] | None = None,
@@ -80,6 +104,7 @@ def quantize_checkpoint(model: str | None, fmt: QuantFormat, out_dir: str, skip:
 
     path = resolve_model(model)
     check_out_dir(out_dir)
+    check_calibration(calibration, fmt, calibration_tokens)
     dev = pick_device(device)
     config = load_model_config(path, load_format)
     out_dtype = parse_dtype(config.torch_dtype or "float16") if dtype == "auto" else parse_dtype(dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 
@@ -16,7 +17,7 @@ from tokenmill.engine.arg_utils import add_engine_args, check_at_least, engine_a
 from tokenmill.units import parse_bytes
 from tokenmill.model.presets import PRESETS, get_preset
 from tokenmill.plan import Plan, make_plan, resolve_model_config
-from tokenmill.sim.cost_model import H200, CostModel
+from tokenmill.sim.cost_model import FEATURES, H200, CostModel
 from tokenmill.sim.report import format_report, format_sweep, plot
 from tokenmill.sim.simulator import SimResult, Simulator
 from tokenmill.sim.workload import RequestClass, generate, parse_class, special_ids
@@ -113,6 +114,15 @@ def plan_for(args: EngineArgs, label: str, config: ModelConfig, memory: int) -> 
                      max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
 
 
+def load_cost_model(path: str) -> CostModel:
+    """CostModel.load, with a file that is not JSON refused by name (json's own error names no file)."""
+    try:
+        return CostModel.load(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--cost-model {path} is not JSON ({e}); expected a cost model as `tokenmill simulate --fit` "
+                         f"writes it: {{'coefficients': {{{', '.join(FEATURES)}}}}}") from None
+
+
 def pool_sizes(ns: argparse.Namespace, args: EngineArgs, plan: Plan, cost: CostModel,
                engine_blocks: int | None) -> list[int]:
     """Blocks (null block included) to simulate: --num-blocks, --kv-tokens, the engine flags, the real engine's
@@ -172,7 +182,7 @@ def run(ns: argparse.Namespace) -> list[SimResult]:
         return []
     label, config = model_config(args)
     plan = plan_for(args, label, config, ns.memory)
-    cost = CostModel.load(ns.cost_model) if ns.cost_model else CostModel.roofline(
+    cost = load_cost_model(ns.cost_model) if ns.cost_model else CostModel.roofline(
         plan, config.num_hidden_layers, config.num_attention_heads, config.head_dim)
     workload = generate(workload_classes(ns), config.vocab_size, special_ids(config), ns.seed)
     slos = parse_slos(ns.goodput)
