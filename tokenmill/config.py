@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +218,7 @@ class EngineArgs:
     master_port: int | None = None          # ... (None on one node: a free port)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -247,6 +249,34 @@ class EngineArgs:
         self._check_speculative()
         self._check_parallel()
 
+    def _check_types(self) -> None:
+        """Each option against its annotation, as vLLM's pydantic configs do: LLM(enable_prefix_caching="false")
+        would otherwise turn caching on (a non-empty string is true) and max_num_seqs=1.5 fail only after the
+        model has loaded. A float with an integer value (kv_cache_memory=2e9) is taken as that integer."""
+        for f in dataclasses.fields(self):
+            value, kinds = getattr(self, f.name), f.type.replace(" ", "").split("|")
+            if value is None and "None" in kinds:
+                continue
+            if isinstance(value, os.PathLike) and "str" in kinds:
+                value = os.fspath(value)
+                setattr(self, f.name, value)
+            if "bool" in kinds:
+                ok = isinstance(value, bool)
+            elif "int" in kinds:
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                    setattr(self, f.name, value)
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif "float" in kinds:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, str)
+            if not ok:
+                allowed = " or ".join("null" if k == "None" else "a number" if k == "float" else
+                                      "an integer" if k == "int" else "true/false" if k == "bool" else "a string"
+                                      for k in kinds)
+                raise ValueError(f"{f.name} must be {allowed}, got {value!r} ({type(value).__name__})")
+
     def _check_speculative(self) -> None:
         """Speculative options, checked before any model loads: a bad draft spec would otherwise surface only
         after the target is loaded, a non-integer count as a TypeError deep in the scheduler, and a huge one as
@@ -254,14 +284,10 @@ class EngineArgs:
         spec = self.speculative
         if spec is None:
             return
-        if not isinstance(spec, str) or (spec != "ngram" and not spec.startswith("draft:")):
+        if spec != "ngram" and not spec.startswith("draft:"):
             raise ValueError(f"speculative must be 'ngram' or 'draft:<model>[@<quantization>]', got {spec!r}")
         if spec.startswith("draft:"):
             parse_draft(spec)
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
         k, budget = self.num_speculative_tokens, self.max_num_batched_tokens
         if not 1 <= k < budget:
             raise ValueError(f"num_speculative_tokens must be in [1, max_num_batched_tokens - 1 = {budget - 1}] "
@@ -272,7 +298,7 @@ class EngineArgs:
 
     def _check_parallel(self) -> None:
         tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or tp < 1:
+        if tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.nnodes < 1 or tp % self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} must be >= 1 and divide tensor_parallel_size={tp} "

@@ -145,9 +145,10 @@ def test_cost_model_round_trip(tmp_path):
     path = tmp_path / "c.json"
     COST.save(str(path))
     assert CostModel.load(str(path)).coefficients == COST.coefficients
-    path.write_text(json.dumps({"coefficients": {"flops": 1}}))
-    with pytest.raises(ValueError, match="not a cost model"):
-        CostModel.load(str(path))
+    for bad in ({"coefficients": {"flops": 1}}, [1], {"coefficients": [1]}, {"coefficients": {"step": "fast"}}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="not a cost model"):
+            CostModel.load(str(path))
 
 
 def test_cli_cost_model_that_is_not_json_is_named(tmp_path):

@@ -38,7 +38,8 @@ def test_speculative_options_are_validated():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(speculative=4), r"speculative must be 'ngram' or 'draft:<model>\[@<quantization>\]', got 4"),
+    (dict(speculative=4), r"speculative must be a string or null, got 4 \(int\)"),
+    (dict(speculative="medusa"), r"speculative must be 'ngram' or 'draft:<model>\[@<quantization>\]', got 'medusa'"),
     (dict(speculative="draft:"), r"speculative='draft:': expected 'draft:<model>'"),
     (dict(speculative="draft:self@"), r"speculative='draft:self@': expected 'draft:<model>'"),
     (dict(speculative="draft:self@int3"), r"speculative='draft:self@int3': the draft's quantization method 'int3'"),

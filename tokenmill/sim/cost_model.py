@@ -95,7 +95,8 @@ class CostModel:
     def load(cls, path: str) -> CostModel:
         with open(path) as f:
             d = json.load(f)
-        unknown = set(d.get("coefficients", {})) - set(FEATURES)
-        if "coefficients" not in d or unknown:
+        coefficients = d.get("coefficients") if isinstance(d, dict) else None
+        if not isinstance(coefficients, dict) or set(coefficients) - set(FEATURES) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in coefficients.values()):
             raise ValueError(f"{path} is not a cost model: expected {{'coefficients': {{{', '.join(FEATURES)}}}}}")
-        return cls(d["coefficients"], d.get("meta", {}))
+        return cls(coefficients, d.get("meta", {}))

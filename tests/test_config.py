@@ -1,0 +1,26 @@
+"""EngineArgs refuses an option of the wrong type before anything loads."""
+import pathlib
+
+import pytest
+
+from tokenmill.config import EngineArgs
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(enable_prefix_caching="false"), r"enable_prefix_caching must be true/false, got 'false' \(str\)"),
+    (dict(max_num_seqs=1.5), r"max_num_seqs must be an integer, got 1.5 \(float\)"),
+    (dict(kv_cache_memory="1GiB"), r"kv_cache_memory must be an integer or null, got '1GiB'"),
+    (dict(seed=None), r"seed must be an integer, got None"),
+    (dict(gpu_memory_utilization=True), r"gpu_memory_utilization must be a number, got True \(bool\)"),
+    (dict(model=3), r"model must be a string or null, got 3 \(int\)"),
+])
+def test_option_of_the_wrong_type_is_named(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kw)
+
+
+def test_integral_floats_and_paths_are_taken() -> None:
+    args = EngineArgs(model=pathlib.Path("/models/x"), kv_cache_memory=2e9, gpu_memory_utilization=1)
+    assert args.model == "/models/x"
+    assert args.kv_cache_memory == 2_000_000_000 and isinstance(args.kv_cache_memory, int)
+    assert args.gpu_memory_utilization == 1
