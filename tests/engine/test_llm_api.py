@@ -250,6 +250,11 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_working(llm):
     for bad in ([{"role": "user", "content": 5}], [{"content": "hi"}], ["hello"]):
         with pytest.raises(ValueError, match="message 0|conversation must be"):
             llm.chat(bad)
+    with pytest.raises(ValueError, match="messages must be a list of .* got str 'Hi'"):
+        llm.chat("Hi")
+    for bad in (None, 5):  # were TypeErrors: "'NoneType' object is not iterable"
+        with pytest.raises(ValueError, match=f"prompts must be a string, .* got {type(bad).__name__}"):
+            llm.generate(bad)
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
                                           {"type": "text", "text": "of France?"}]}]
     plain = [{"role": "user", "content": "What is the capital\nof France?"}]

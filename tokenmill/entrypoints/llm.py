@@ -33,6 +33,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a string, a list of token ids, a {\"prompt\": ...} or "
+                             f'{{"prompt_token_ids": ...}} dict, or a list of these; got {type(prompts).__name__}')
         prompts = [_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -80,6 +83,9 @@ class LLM:
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer; this engine has none (dummy weights)")
+        if not isinstance(messages, list):
+            raise ValueError("messages must be a list of {\"role\": ..., \"content\": ...} dicts (one conversation) or a "
+                             f"list of such lists; got {type(messages).__name__} {messages!r:.80}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [tok.encode(tok.apply_chat_template(_messages(c), add_generation_prompt=add_generation_prompt),
                               add_special_tokens=False) for c in conversations]
