@@ -300,6 +300,16 @@ def test_default_max_tokens_fits_a_kv_cache_smaller_than_the_context(strict_serv
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.total_tokens <= 512
 
 
+def test_request_longer_than_the_kv_cache_names_the_cache(strict_server):
+    """Within the 1024-token context but past the 512 tokens the cache holds: the error says so and names what
+    to change (it used to name kv_cache_memory, an engine option, with param null)."""
+    headers = {"Authorization": "Bearer sesame"}
+    for body, param in (({"prompt": [1] * 600}, "prompt"), ({"prompt": [1] * 100, "max_tokens": 500}, "max_tokens")):
+        r = httpx.post(strict_server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+        err = assert_error(r, 400, param, "KV cache holds at most 512 tokens of one request")
+        assert err["code"] == "context_length_exceeded"
+
+
 def test_full_queue_is_429_with_retry_after(strict_server):
     headers = {"Authorization": "Bearer sesame"}
     body = {"messages": OK_MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}

@@ -123,14 +123,20 @@ class OpenAIServing:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the {what} has "
                                 f"{prompt_len} tokens (at least one must be left for the output); shorten the "
                                 f"{what}", what, "context_length_exceeded")
-        if requested is None:  # as long as the context allows, and the KV cache where it holds fewer tokens
-            return max(1, min(limit, self.engine.engine.scheduler.max_request_len) - prompt_len)
-        if prompt_len + requested > limit:
+        if requested is not None and prompt_len + requested > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
                                 f"{prompt_len + requested} were requested ({prompt_len} in the {what}, {requested} "
                                 f"for the output); lower {field} or shorten the prompt", field,
                            "context_length_exceeded")
-        return requested
+        pool = self.engine.engine.scheduler.max_request_len
+        if prompt_len + (requested or 1) > pool:  # the KV cache holds fewer tokens than the context allows
+            param = what if prompt_len >= pool else field
+            raise APIError(400, f"this server's KV cache holds at most {pool} tokens of one request (less than its "
+                                f"maximum context length {limit}), but {prompt_len + (requested or 1)} are needed "
+                                f"({prompt_len} in the {what}, {requested or 1} for the output); "
+                                f"{'shorten the prompt' if param == what else f'lower {field} or shorten the prompt'}",
+                           param, "context_length_exceeded")
+        return requested if requested is not None else pool - prompt_len
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         """JSON's keys are strings: OpenAI's token ids in decimal digits. int() alone would also take ' 1', '+1'
