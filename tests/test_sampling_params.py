@@ -12,6 +12,9 @@ from tokenmill import SamplingParams
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(min_tokens=True), "min_tokens"),
     (dict(ignore_eos="no"), "ignore_eos"), (dict(skip_special_tokens=None), "skip_special_tokens"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(allowed_token_ids=5), "allowed_token_ids"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=2.5), "truncate_prompt_tokens"),
 ])
 def test_invalid_params_name_param_value_and_range(kwargs, name):
     with pytest.raises(ValueError) as e:
@@ -43,4 +46,12 @@ def test_logit_bias_normalized_and_checked_against_the_vocabulary():
     assert SamplingParams(logit_bias={}).logit_bias is None  # an empty map costs the sampler nothing
     p.verify_vocab(8)
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 6\) .*got \[7\]"):
+        p.verify_vocab(6)
+
+
+def test_allowed_token_ids_normalized_and_checked_against_the_vocabulary():
+    p = SamplingParams(allowed_token_ids=(7, 3, 7))
+    assert p.allowed_token_ids == [3, 7]
+    p.verify_vocab(8)
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids must be in \[0, 6\) .*got \[7\]"):
         p.verify_vocab(6)

@@ -33,6 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens can be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last this many tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -92,6 +94,15 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):  # "no" would be truthy
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, getattr(self, name), "True or False")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed):
+                self._fail("allowed_token_ids", allowed, "None or a non-empty list of non-negative token ids")
+            self.allowed_token_ids = sorted(set(allowed))
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int) or isinstance(
+                self.truncate_prompt_tokens, bool) or self.truncate_prompt_tokens < 1):
+            self._fail("truncate_prompt_tokens", self.truncate_prompt_tokens, "None or an integer >= 1")
         if not isinstance(self.output_kind, RequestOutputKind):
             self._fail("output_kind", self.output_kind, "a RequestOutputKind")
 
@@ -115,7 +126,8 @@ class SamplingParams:
     def verify_vocab(self, vocab_size: int) -> None:
         """Token ids checked against the model's vocabulary, which SamplingParams is built without: the engine
         calls this when the request arrives, so a bad id is the caller's ValueError, not a failing step."""
-        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = sorted(t for t in ids if t >= vocab_size)
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab_size}) (the model's vocabulary), "

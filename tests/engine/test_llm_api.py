@@ -438,3 +438,22 @@ def test_final_only_requests_are_reported_once(llm):
     assert seen["final"][0].outputs[0].text == seen["stream"][-1].outputs[0].text
     with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind="final")
+
+
+def test_allowed_token_ids_and_truncate_prompt_tokens(llm):
+    """vLLM's two options: only the allowed ids are generated (greedy and sampled, beside a free request in the same
+    batch), and a truncated prompt runs as its last k tokens would."""
+    ids = prompt(llm, "Name a colour.")
+    yes_no = [llm.get_tokenizer().encode(w, add_special_tokens=False)[0] for w in ("Yes", "No")]
+    free, greedy, sampled = llm.generate([ids] * 3, [
+        SamplingParams(temperature=0, max_tokens=4),
+        SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=yes_no),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=8, allowed_token_ids=yes_no)])
+    assert not set(free.outputs[0].token_ids) <= set(yes_no)
+    assert set(greedy.outputs[0].token_ids) <= set(yes_no) and set(sampled.outputs[0].token_ids) <= set(yes_no)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cut, tail = llm.generate([ids, ids[-5:]], [SamplingParams(**{**plain.__dict__, "truncate_prompt_tokens": 5}),
+                                               plain])
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    long = [1] * 600  # past max_model_len=512 until truncated
+    assert llm.generate([long], SamplingParams(max_tokens=2, truncate_prompt_tokens=100))[0].prompt_token_ids == [1] * 100

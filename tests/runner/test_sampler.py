@@ -124,6 +124,23 @@ def test_logit_bias_decides_greedy_and_sampled_tokens():
     assert out.logprobs[4].top == {int(top[4]): pytest.approx(float(torch.log_softmax(logits[4], -1).max()))}
 
 
+def test_allowed_token_ids_are_the_only_tokens_drawn():
+    """Greedy and sampled rows with allowed_token_ids draw only from them, the other rows from the whole vocabulary;
+    a draft's smaller vocabulary holding none of them leaves its row as it is."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8)
+    logits[:, 7] = 50.0  # the argmax, outside every allowed set
+    allowed = [2, 5]
+    for _ in range(20):
+        reqs = [req(0, temperature=0, allowed_token_ids=allowed), req(1, temperature=1.5, allowed_token_ids=allowed),
+                req(2, temperature=0)]
+        out = make()(logits.clone(), reqs)
+        assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+        assert out.token_ids[1] in allowed and out.token_ids[2] == 7
+    processed, _ = make(vocab=4).process(logits[:1, :4].clone(), [req(0, allowed_token_ids=[6])])
+    assert torch.equal(processed, logits[:1, :4])
+
+
 def test_logprobs_are_log_softmax_with_top_k():
     logits = torch.randn(1, 8)
     out = make()(logits.clone(), [req(0, temperature=0, logprobs=3)])
@@ -141,7 +158,7 @@ def test_sampling_on_the_gpu_never_waits_for_the_device(no_device_sync) -> None:
     sampler = Sampler(50, eos_token_ids=[0], device=torch.device("cuda"), seed=0)
     reqs = [req(0, temperature=0), req(1, temperature=0.6, top_k=5, top_p=0.9, min_p=0.05),
             req(2, temperature=1.0, seed=7, repetition_penalty=1.2, min_tokens=3),
-            req(3, temperature=0, logit_bias={17: 100, 4: -1.5})]
-    tokens, _ = sampler.sample(torch.randn(4, 50, device="cuda"), reqs)
+            req(3, temperature=0, logit_bias={17: 100, 4: -1.5}), req(4, temperature=0.8, allowed_token_ids=[9])]
+    tokens, _ = sampler.sample(torch.randn(5, 50, device="cuda"), reqs)
     torch.cuda.set_sync_debug_mode(0)
-    assert tokens.shape == (4,) and tokens.min().item() >= 0 and tokens[3].item() == 17
+    assert tokens.shape == (5,) and tokens.min().item() >= 0 and tokens[3].item() == 17 and tokens[4].item() == 9

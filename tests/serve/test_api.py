@@ -263,6 +263,26 @@ def test_logit_bias_changes_the_greedy_token(server, client, model_name):
     assert banned.choices[0].text != free
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model_name):
+    """vLLM's extra fields: the output holds only allowed ids; a truncated prompt counts as its last k tokens in
+    usage and gives the text those tokens alone give."""
+    allowed = [one_token(server, w) for w in (" banana", " apple")]
+    r = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert set(r.choices[0].text.split()) <= {"banana", "apple"}
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES, max_completion_tokens=2,
+                                          temperature=0, extra_body={"allowed_token_ids": allowed[:1]})
+    assert chat.choices[0].message.content == " banana banana"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "One two three four five six"}).json()["tokens"]
+    cut = client.completions.create(model=model_name, prompt="One two three four five six", max_tokens=3,
+                                    temperature=0, extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True})
+    tail = client.completions.create(model=model_name, prompt=ids[-3:], max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == tail.choices[0].text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "allowed_token_ids": [10 ** 7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
 def test_tokenize_detokenize_roundtrip(server):
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024

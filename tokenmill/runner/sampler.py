@@ -68,6 +68,20 @@ class Sampler:
             index = device_tensor([rows, cols], torch.long, logits.device)
             logits.index_put_((index[0], index[1]), device_tensor(vals, logits.dtype, logits.device), accumulate=True)
 
+    @staticmethod
+    def _apply_allowed_token_ids(logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Every token outside a request's allowed_token_ids to -inf. A draft model's smaller vocabulary may hold
+        none of them: its row is left as it is (verification against the target still masks them)."""
+        for i, r in enumerate(reqs):
+            allowed = r.sampling_params.allowed_token_ids
+            if allowed is None or allowed[0] >= logits.shape[1]:
+                continue
+            keep = device_tensor([t for t in allowed if t < logits.shape[1]], torch.long, logits.device)
+            row = logits[i]
+            kept = row[keep]
+            row.fill_(float("-inf"))
+            row[keep] = kept
+
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.repetition_penalty != 1.0
                 or r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty]
@@ -121,13 +135,15 @@ class Sampler:
         return (tokens if out is None else out.copy_(tokens)), raw_logprobs
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cut to the vocabulary, apply logit_bias, penalties and min_tokens in place, in vLLM's order; also the
+        """Cut to the vocabulary, apply allowed_token_ids, logit_bias, penalties and min_tokens in place, in vLLM's
+        order; also the
         raw log-softmax (before any of them: vLLM's default logprobs mode) when a request asks for logprobs.
         Speculative verification and the draft proposer share this, so their distributions are exactly the
         one sampled here."""
         logits = logits[:, : self.vocab_size]
         want = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
+        self._apply_allowed_token_ids(logits, reqs)
         self._apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         self._suppress_stop_tokens(logits, reqs)

@@ -94,6 +94,10 @@ class SamplingRequest(_Request):
     timeout_s: float | None = Field(None, gt=0.0, description="tokenmill: abort the request after this many seconds")
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (a string of digits) -> bias in [-100, 100], added to its logit before sampling")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1,
+                                                description="vLLM's: only these token ids can be sampled")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
+                                                                       "many tokens")
     response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
     echo: bool = Field(False, description="not supported: true is refused")
     prompt_logprobs: int | None = Field(None, description="vLLM's; not supported: refused unless null")

@@ -160,7 +160,7 @@ class OpenAIServing:
                                     stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                     include_stop_str_in_output=req.include_stop_str_in_output,
                                     skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
-                                    logit_bias=logit_bias)
+                                    logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids)
             params.verify_vocab(self.engine.engine.model_config.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from e
@@ -276,6 +276,8 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
         ids = await self.chat_prompt_ids(req.messages)
+        if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
+            ids = ids[-req.truncate_prompt_tokens:]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages", field)
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
@@ -358,6 +360,8 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self._admit(req)
         prompts = await self._completion_prompts(req.prompt)
+        if req.truncate_prompt_tokens is not None:
+            prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt") for ids in prompts]
         if len(set(max_tokens)) > 1:  # max_tokens null with prompts of several lengths: each gets its own budget
             params = [self._sampling_params(req, m, req.logprobs) for m in max_tokens]
