@@ -234,3 +234,28 @@ def test_token_bytes_give_back_characters_split_over_tokens(gguf_tokenizer: Toke
     sp = load_tokenizer(write_sentencepiece_gguf(tmp_path / "sp.gguf"))
     ids = sp.encode("é", add_special_tokens=False)[1:]
     assert [sp.token_bytes(i) for i in ids] == [b"\xc3", b"\xa9"]
+
+
+def test_continue_final_message_matches_transformers(gguf_tokenizer: Tokenizer, hf_gguf_tokenizer) -> None:
+    """The prompt ends with the last message's content, open for the model to go on, as transformers renders it;
+    both options at once, and a last message the template drops, are errors."""
+    for final in ("The capital of France is", "  Padded answer  ", "Line one\nline two"):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
+        ours = gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+        assert ours == hf_gguf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                             continue_final_message=True)
+        assert ours.endswith((final, final.strip()))
+    with pytest.raises(ValueError, match="cannot both be true"):
+        gguf_tokenizer.apply_chat_template(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="does not appear in the chat as the chat_template given renders it"):
+        gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                           chat_template="{{ messages[0].content }}")
+
+
+def test_chat_template_given_by_the_caller(gguf_tokenizer: Tokenizer) -> None:
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "x"}]
+    assert gguf_tokenizer.apply_chat_template(messages, chat_template=template) == "user: x\n"
+    assert gguf_tokenizer.apply_chat_template(messages).startswith("<|im_start|>")  # the model's own is kept
+    with pytest.raises(ValueError, match=r"chat_template is not a valid jinja2 template \(line 1"):
+        gguf_tokenizer.apply_chat_template(messages, chat_template="{% for m in messages %}")

@@ -3,6 +3,7 @@
 transformers' AutoTokenizer gives."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -124,17 +125,47 @@ class Tokenizer:
         return [self.backend.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
-        """Render the conversation into the prompt text the model was trained on."""
-        if self._template is None:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """Render the conversation into the prompt text the model was trained on. continue_final_message (as
+        transformers and vLLM): the text ends with the last message's content, left open for the model to go on
+        with (a prefilled assistant answer); chat_template: a jinja2 template used instead of the model's."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first goes "
+                             "on with the last message, the second starts a new one; set add_generation_prompt false")
+        template, source = self._template, self.template_source
+        if chat_template is not None:
+            template, source = _compiled_override(chat_template), "the chat_template given"
+        if template is None:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
         try:
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **kwargs})
+            text = template.render(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs})
         except Exception as e:  # raise_exception() in the template, or any error inside jinja while rendering
-            raise ChatTemplateError(f"{self.template_source} could not render these messages "
-                                    f"({type(e).__name__}: {e})") from e
+            raise ChatTemplateError(f"{source} could not render these messages ({type(e).__name__}: {e})") from e
+        return _open_final_message(text, messages, source) if continue_final_message else text
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_override(source: str) -> jinja2.Template:
+    """A caller's chat template, compiled once however many calls send it."""
+    try:
+        return _compile_chat_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid jinja2 template (line {e.lineno}: {e.message})") from e
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]], source: str) -> str:
+    """The rendered chat cut right after the last message's content, dropping the end-of-turn the template wrote
+    after it. Templates may strip a message's content, so the stripped content is looked for too."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, str) and final:
+        for needle in (final, final.strip()):
+            at = text.rfind(needle) if needle else -1
+            if at >= 0:
+                return text[:at + len(needle)]
+    raise ChatTemplateError(f"continue_final_message: the last message's content {final!r:.60} does not appear in "
+                            f"the chat as {source} renders it, so it cannot be continued")
 
 
 def _content(token: Any) -> str | None:

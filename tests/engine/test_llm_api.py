@@ -457,3 +457,19 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(llm):
     assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
     long = [1] * 600  # past max_model_len=512 until truncated
     assert llm.generate([long], SamplingParams(max_tokens=2, truncate_prompt_tokens=100))[0].prompt_token_ids == [1] * 100
+
+
+def test_chat_continues_a_prefilled_answer_and_takes_a_template(llm):
+    """vLLM's LLM.chat options: continue_final_message goes on with the assistant's words (no new turn), and
+    chat_template replaces the model's template for the call."""
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    prefilled = [{"role": "user", "content": "What is the capital of France?"},
+                 {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(prefilled, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.outputs[0].text.startswith(" Paris")
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids, skip_special_tokens=False).endswith("assistant\nThe capital of France is")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(prefilled, greedy, continue_final_message=True)
+    plain = llm.chat(prefilled[:1], greedy, chat_template="Q: {{ messages[0].content }}\nA:")[0]
+    assert plain.prompt_token_ids == tok.encode("Q: What is the capital of France?\nA:", add_special_tokens=False)

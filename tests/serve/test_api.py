@@ -283,6 +283,22 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model_name
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
+def test_continue_final_message(server, client, model_name):
+    """vLLM's chat fields: the reply goes on with a prefilled assistant message; /tokenize renders the same
+    prompt; both with add_generation_prompt is a 400 naming continue_final_message."""
+    prefilled = MESSAGES + [{"role": "assistant", "content": "The capital of France is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    r = client.chat.completions.create(model=model_name, messages=prefilled, max_completion_tokens=3, temperature=0,
+                                       extra_body=extra)
+    assert r.choices[0].message.content.startswith(" Paris")
+    ids = httpx.post(server.url + "/tokenize", json={"messages": prefilled, **extra}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": prefilled, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_tokenize_detokenize_roundtrip(server):
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024

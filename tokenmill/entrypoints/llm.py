@@ -78,8 +78,11 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template (or chat_template, a jinja2 string) to one conversation (or a list of
+        them) and generate; continue_final_message (with add_generation_prompt=False): the model goes on with the
+        last message, e.g. a prefilled assistant answer."""
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer; this engine has none (dummy weights)")
@@ -87,7 +90,9 @@ class LLM:
             raise ValueError("messages must be a list of {\"role\": ..., \"content\": ...} dicts (one conversation) or a "
                              f"list of such lists; got {type(messages).__name__} {messages!r:.80}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.encode(tok.apply_chat_template(_messages(c), add_generation_prompt=add_generation_prompt),
+        prompts = [tok.encode(tok.apply_chat_template(_messages(c), add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      chat_template=chat_template),
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

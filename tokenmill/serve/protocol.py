@@ -158,6 +158,9 @@ class ChatCompletionRequest(SamplingRequest):
                                                                      "unless null or empty")
     function_call: str | dict[str, Any] | None = Field(None, description='deprecated by OpenAI; not supported: '
                                                                          'refused unless null or "none"')
+    add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant turn's header")
+    continue_final_message: bool = Field(False, description="vLLM's: go on with the last message (a prefilled "
+                                                            "answer); needs add_generation_prompt false")
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -302,6 +305,7 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(BaseModel):

@@ -259,14 +259,19 @@ class OpenAIServing:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     # ---- chat completions -------------------------------------------------------------------
-    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                              continue_final_message: bool = False) -> list[int]:
         """A developer message is a system message, as OpenAI treats it (its newer name for system): most chat
         templates know system only, and SmolLM2's rendered developer as a turn of its own after its default system
         prompt."""
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in messages]
+        if continue_final_message and add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; send "
+                                "add_generation_prompt: false to continue the last message", "continue_final_message")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message)
         except Exception as e:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
         return await self.encode(text, add_special_tokens=False)
@@ -275,7 +280,7 @@ class OpenAIServing:
         self._admit(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
-        ids = await self.chat_prompt_ids(req.messages)
+        ids = await self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.continue_final_message)
         if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
             ids = ids[-req.truncate_prompt_tokens:]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
