@@ -299,6 +299,23 @@ def test_continue_final_message(server, client, model_name):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_returns_the_prompt_first(server, client, model_name, stream):
+    """echo: each choice's text starts with its prompt (text as sent; token ids decoded), streamed in the first
+    chunk of each choice; the completion after it is the one without echo."""
+    kwargs = dict(model=model_name, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "One two three"}).json()["tokens"]
+    for prompts, sent in ((["The capital of France is", "Hello"], ["The capital of France is", "Hello"]),
+                          (ids, ["One two three"])):
+        plain = client.completions.create(prompt=prompts, **kwargs)
+        echo = client.completions.create(prompt=prompts, echo=True, stream=stream, **kwargs)
+        texts = [""] * len(sent)
+        for part in (echo if stream else [echo]):
+            for c in part.choices:
+                texts[c.index] += c.text
+        assert texts == [sent[c.index] + c.text for c in sorted(plain.choices, key=lambda c: c.index)]
+
+
 def test_tokenize_detokenize_roundtrip(server):
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024

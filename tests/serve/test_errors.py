@@ -142,7 +142,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (True, "function_call", dict(function_call="auto")),
     (True, "echo", dict(extra_body={"echo": True})),
     (True, "prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
-    (False, "echo", dict(echo=True)),
+    (False, "echo", dict(echo=True, logprobs=1)),
     (False, "suffix", dict(suffix="!")),
     (False, "best_of", dict(best_of=2)),
     (False, "response_format", dict(extra_body={"response_format": {"type": "json_object"}}, stream=True)),

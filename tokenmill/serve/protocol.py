@@ -99,7 +99,6 @@ class SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
                                                                        "many tokens")
     response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
-    echo: bool = Field(False, description="not supported: true is refused")
     prompt_logprobs: int | None = Field(None, description="vLLM's; not supported: refused unless null")
     # GUIDED_FIELDS, typed Any so that every non-null value is refused by name, not failed as a wrong type
     guided_json: Any = Field(None, description="vLLM's; not supported: refused unless null")
@@ -114,9 +113,6 @@ class SamplingRequest(_Request):
         if self.response_format is not None and self.response_format.get("type") != "text":
             out.append(("response_format", f"response_format {self.response_format!r} is not supported: tokenmill "
                                            'generates free text only; omit it or send {"type": "text"}'))
-        if self.echo:
-            out.append(("echo", "echo is not supported: the prompt is not returned with the output; omit echo or "
-                                "send false"))
         if self.prompt_logprobs is not None:
             out.append(("prompt_logprobs", "prompt_logprobs is not supported: logprobs are given for generated "
                                            "tokens only; omit prompt_logprobs"))
@@ -148,6 +144,7 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = Field(False, description="vLLM's; not supported: true is refused")
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="default: what the context leaves")
     logprobs: bool = False
@@ -164,6 +161,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported on chat: the last message is not prepended to the reply; "
+                                "omit echo or send false"))
         for name in ("tools", "functions"):
             if getattr(self, name):
                 out.append((name, f"{name} is not supported: tokenmill does not implement tool calling; omit {name}"))
@@ -245,9 +245,13 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k alternatives per token")
     suffix: str | None = Field(None, description="not supported: refused unless null")
     best_of: int | None = Field(None, description="not supported: refused unless null or equal to n")
+    echo: bool = Field(False, description="return the prompt's text before each completion (not with logprobs)")
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if self.echo and self.logprobs is not None:
+            out.append(("echo", "echo with logprobs is not supported: the prompt's tokens get no logprobs here; "
+                                "omit echo or logprobs"))
         if self.suffix is not None:
             out.append(("suffix", "suffix is not supported: tokenmill completes a prompt, it does not insert text; "
                                   "omit suffix"))

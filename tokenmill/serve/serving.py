@@ -375,27 +375,40 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await self._add([(f"{rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))], req)
         prompt_len = sum(len(ids) for ids in prompts)
+        echo = self._echo_texts(req, prompts)
         if req.stream:
-            return EventStreamResponse(self._completion_events(rid, created, streams, req, prompt_len),
+            return EventStreamResponse(self._completion_events(rid, created, streams, req, prompt_len, echo),
                                        lambda: self._abort(streams, "client_disconnect"))
         outs = await self._collect(streams, raw)
         choices, completions = [], []
         for i, out in enumerate(outs):
             for c in out.outputs:
                 completions.append(c)
-                choices.append(CompletionChoice(index=i * req.n + c.index, text=c.text, finish_reason=c.finish_reason,
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text,
+                                                finish_reason=c.finish_reason,
                                                 logprobs=self._completion_logprobs(c.logprobs, 0)
                                                 if req.logprobs is not None else None))
         body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                   usage=self._usage(prompt_len, completions))
         return Response(body.model_dump_json(), media_type="application/json")
 
+    def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """With echo, each prompt's text as the client sent it (token ids or a truncated prompt: their decoded
+        text, special tokens kept, as vLLM echoes them); "" for each without."""
+        if not req.echo:
+            return [""] * len(prompts)
+        sent = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
+            else list(req.prompt)
+        return [p if isinstance(p, str) and req.truncate_prompt_tokens is None
+                else self.tokenizer.decode(ids, skip_special_tokens=False) for p, ids in zip(sent, prompts)]
+
     async def _completion_events(self, rid: str, created: int, streams: list[RequestStream], req: CompletionRequest,
-                                 prompt_len: int) -> AsyncIterator[str]:
+                                 prompt_len: int, echo: list[str]) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         exclude = None if include_usage else {"usage"}
         sent_logprobs: dict[int, int] = {}
         text_len: dict[int, int] = {}
+        echoed: set[int] = set()
         finished: dict[int, CompletionOutput] = {}  # by index: the engine reports a finished choice at every step
         try:                                          # until the whole group ends
             async for i, out in _merge(streams):
@@ -410,8 +423,10 @@ class OpenAIServing:
                         sent_logprobs[index] = start + len(new)
                         lps = self._completion_logprobs(new, text_len.get(index, 0))
                         text_len[index] = text_len.get(index, 0) + sum(len(t) for t in lps.tokens)
-                    if c.delta_text or c.finish_reason or lps is not None:
-                        choice = CompletionChoice(index=index, text=c.delta_text, logprobs=lps,
+                    prefix = echo[i] if index not in echoed else ""  # the prompt goes first, in a choice's first chunk
+                    if prefix or c.delta_text or c.finish_reason or lps is not None:
+                        echoed.add(index)
+                        choice = CompletionChoice(index=index, text=prefix + c.delta_text, logprobs=lps,
                                                   finish_reason=c.finish_reason)
                         body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                         yield f"data: {body.model_dump_json(exclude=exclude)}\n\n"
