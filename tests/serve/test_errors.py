@@ -74,7 +74,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, conta
     ({"messages": OK_MESSAGES, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"messages": OK_MESSAGES, "skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"messages": [{"role": "user", "content": "a lone \ud800 surrogate"}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages.0.content.0.text"),
 ])
 def test_bad_chat_requests_are_400(server, body, param):
     assert_error(post(server, CHAT, body), 400, param)
@@ -89,7 +89,7 @@ def test_bad_chat_requests_are_400(server, body, param):
     ({"prompt": {"a": 1}}, "prompt"),
     ({"prompt": "hi", "max_tokens": 2000}, "max_tokens"),
     ({"prompt": "hi \ud800 there"}, "prompt"),
-    ({"prompt": "hi", "stop": ["\udfff"]}, "stop"),
+    ({"prompt": "hi", "stop": ["\udfff"]}, "stop.0"),
     ({"prompt": "hi", "logit_bias": {"5": float("nan")}}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"100000000": 1}}, "logit_bias"),
     ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
@@ -181,6 +181,23 @@ def test_unsupported_fields_at_their_neutral_values_are_accepted(client, model_n
     r = client.completions.create(model=model_name, prompt="hi", max_tokens=2, n=2, best_of=2, echo=False,
                                   extra_body={"ignore_eos": True, "some_unknown_field": 1})
     assert r.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", "stop: must be a string or a list of strings, got 5"),
+    ("/v1/completions", {"prompt": 5.5}, "prompt", "prompt: must be a string or a list of strings or a list of "
+                                                   "integers or a list of lists of integers, got 5.5"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     'messages.0.content: must be a string or a list of text parts {"type": "text", "text": ...}, got 5'),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0.type",
+     "messages.0.content.0.type: Input should be 'text'"),  # a list: the error inside it, not "not a string"
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 1025}, "stop", "at most 1024 items"),
+])
+def test_a_value_of_no_allowed_type_lists_the_types(server, path, body, param, message):
+    """A union's members each failed on their own, and the first ("Input should be a valid string") read as if a
+    string were the only thing allowed."""
+    err = assert_error(post(server, path, body), 400, param, message)
+    assert "valid string" not in err["message"], err
 
 
 def test_prompt_longer_than_context_names_both_lengths(server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,11 +57,47 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _is_tag(p: Any) -> bool:
+    """A union member's tag in a pydantic error location ('str', 'list[int]', 'TextContentPart', ...)."""
+    return isinstance(p, str) and (not p.isidentifier() or p in _TYPE_NAMES or p[0].isupper())
+
+
+_NAMES = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
+          "bool": ("true or false", "booleans"), "TextContentPart": ('a text part {"type": "text", "text": ...}',
+                                                                    'text parts {"type": "text", "text": ...}')}
+
+
+def _describe(tag: str, plural: bool = False) -> str:
+    """'list[function-after[_utf8(), str]]' -> 'a list of strings': a union member in words."""
+    tag = re.sub(r"function-\w+\[[^,\[\]]*\(\), ", "", tag)
+    while tag.count("]") > tag.count("["):  # the wrapper's closing bracket, left by the substitution
+        tag = tag[::-1].replace("]", "", 1)[::-1]
+    if tag.startswith("list[") and tag.endswith("]"):
+        return ("lists of " if plural else "a list of ") + _describe(tag[5:-1], plural=True)
+    return _NAMES.get(tag, (tag, tag))[plural]
+
+
+def _union_message(param: str, errors: list[dict[str, Any]], at: int) -> str:
+    """One message for a value that matched none of a union's members (each member's own error would read as if
+    the first member were the only type allowed)."""
+    tags = list(dict.fromkeys(e["loc"][at] for e in errors))
+    whole = next((e["input"] for e in errors if len(e["loc"]) == at + 1 and "input" in e), None)
+    got = f", got {json.dumps(whole)[:60]}" if whole is not None else ""
+    return f"{param}: must be {' or '.join(_describe(t) for t in tags)}{got}"
+
+
 def validation_error_response(exc: RequestValidationError, content_type: str | None) -> JSONResponse:
-    """Pydantic's errors as one readable 400: the first problem of each field, at most three. content_type: the
-    request's Content-Type header."""
+    """Pydantic's errors as one readable 400: the first problem of each field, at most three; a value that fits
+    no member of a union is one message listing them. content_type: the request's Content-Type header."""
     messages: dict[str | None, str] = {}
-    for e in exc.errors():
+    errors = exc.errors()
+    unions: dict[str, tuple[list[dict[str, Any]], int]] = {}
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        at = next((i for i, p in enumerate(loc) if i > 1 and _is_tag(p)), None)
+        if at is not None:
+            unions.setdefault(_param(loc[:at]) or "", ([], at))[0].append(e)
+    for e in errors:
         loc = tuple(e.get("loc", ()))
         if e.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}",
@@ -73,6 +110,17 @@ def validation_error_response(exc: RequestValidationError, content_type: str | N
                                        f"got Content-Type: {content_type}", code="invalid_body")
         if param is None:
             return error_response(400, "the request body must be a JSON object", code="invalid_body")
+        at = next((i for i, p in enumerate(loc) if i > 1 and _is_tag(p)), None)
+        union = unions.get(_param(loc[:at]) or "") if at is not None else None
+        if union is not None and len({u["loc"][at] for u in union[0]}) > 1:
+            # members the value's JSON type fits, failing inside it: one of them is what the client meant
+            fits = {u["loc"][at] for u in union[0] if len(u["loc"]) > at + 1 or not u["type"].endswith("_type")}
+            if len(fits) != 1:
+                param = _param(loc[:at])
+                messages.setdefault(param, _union_message(param, *union))
+                continue
+            if loc[at] not in fits:  # a member of another type: its "should be a valid ..." would mislead
+                continue
         messages.setdefault(param, f"{param}: {e['msg']}" if param else e["msg"])
     first = next(iter(messages), None)
     return error_response(400, "; ".join(list(messages.values())[:3]), param=first, code="invalid_value")
