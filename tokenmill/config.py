@@ -175,6 +175,9 @@ class SchedulerConfig:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
 
 
+_TYPE_WORDS = {"None": "null", "float": "a number", "int": "an integer", "bool": "true/false", "str": "a string"}
+
+
 @dataclass
 class EngineArgs:
     """Every engine option, with vLLM's names; LLM(**kwargs) and the CLI map onto these."""
@@ -272,9 +275,7 @@ class EngineArgs:
             else:
                 ok = isinstance(value, str)
             if not ok:
-                allowed = " or ".join("null" if k == "None" else "a number" if k == "float" else
-                                      "an integer" if k == "int" else "true/false" if k == "bool" else "a string"
-                                      for k in kinds)
+                allowed = " or ".join(_TYPE_WORDS[k] for k in kinds)
                 raise ValueError(f"{f.name} must be {allowed}, got {value!r} ({type(value).__name__})")
 
     def _check_speculative(self) -> None:

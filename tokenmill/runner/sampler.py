@@ -136,10 +136,9 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cut to the vocabulary, apply allowed_token_ids, logit_bias, penalties and min_tokens in place, in vLLM's
-        order; also the
-        raw log-softmax (before any of them: vLLM's default logprobs mode) when a request asks for logprobs.
-        Speculative verification and the draft proposer share this, so their distributions are exactly the
-        one sampled here."""
+        order; also the raw log-softmax (before any of them: vLLM's default logprobs mode) when a request asks for
+        logprobs. Speculative verification and the draft proposer share this, so their distributions are exactly
+        the one sampled here."""
         logits = logits[:, : self.vocab_size]
         want = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None

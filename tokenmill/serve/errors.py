@@ -86,19 +86,21 @@ def _union_message(param: str, errors: list[dict[str, Any]], at: int) -> str:
     return f"{param}: must be {' or '.join(_describe(t) for t in tags)}{got}"
 
 
+def _union_at(loc: tuple[Any, ...]) -> int | None:
+    """The index of a union member's tag in an error location (past 'body' and the field name), if any."""
+    return next((i for i, p in enumerate(loc) if i > 1 and _is_tag(p)), None)
+
+
 def validation_error_response(exc: RequestValidationError, content_type: str | None) -> JSONResponse:
     """Pydantic's errors as one readable 400: the first problem of each field, at most three; a value that fits
     no member of a union is one message listing them. content_type: the request's Content-Type header."""
     messages: dict[str | None, str] = {}
-    errors = exc.errors()
-    unions: dict[str, tuple[list[dict[str, Any]], int]] = {}
-    for e in errors:
-        loc = tuple(e.get("loc", ()))
-        at = next((i for i, p in enumerate(loc) if i > 1 and _is_tag(p)), None)
+    located = [(e, loc, _union_at(loc)) for e in exc.errors() for loc in [tuple(e.get("loc", ()))]]
+    unions: dict[str, list[dict[str, Any]]] = {}  # a union's value (by param) -> its members' errors
+    for e, loc, at in located:
         if at is not None:
-            unions.setdefault(_param(loc[:at]) or "", ([], at))[0].append(e)
-    for e in errors:
-        loc = tuple(e.get("loc", ()))
+            unions.setdefault(_param(loc[:at]) or "", []).append(e)
+    for e, loc, at in located:
         if e.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}",
                                   code="invalid_json")
@@ -110,14 +112,13 @@ def validation_error_response(exc: RequestValidationError, content_type: str | N
                                        f"got Content-Type: {content_type}", code="invalid_body")
         if param is None:
             return error_response(400, "the request body must be a JSON object", code="invalid_body")
-        at = next((i for i, p in enumerate(loc) if i > 1 and _is_tag(p)), None)
-        union = unions.get(_param(loc[:at]) or "") if at is not None else None
-        if union is not None and len({u["loc"][at] for u in union[0]}) > 1:
+        members = unions.get(_param(loc[:at]) or "", []) if at is not None else []
+        if len({u["loc"][at] for u in members}) > 1:
             # members the value's JSON type fits, failing inside it: one of them is what the client meant
-            fits = {u["loc"][at] for u in union[0] if len(u["loc"]) > at + 1 or not u["type"].endswith("_type")}
+            fits = {u["loc"][at] for u in members if len(u["loc"]) > at + 1 or not u["type"].endswith("_type")}
             if len(fits) != 1:
                 param = _param(loc[:at])
-                messages.setdefault(param, _union_message(param, *union))
+                messages.setdefault(param, _union_message(param, members, at))
                 continue
             if loc[at] not in fits:  # a member of another type: its "should be a valid ..." would mislead
                 continue

@@ -52,6 +52,13 @@ def _event(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A completion request's prompts, one entry each: a string and a list of token ids are one prompt."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's position."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
@@ -341,12 +348,7 @@ class OpenAIServing:
 
     # ---- completions ------------------------------------------------------------------------
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompts: list[str | list[int]] = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [prompt]  # type: ignore[list-item]
-        else:
-            prompts = list(prompt)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompt)
         if not prompts:
             raise APIError(400, "prompt is empty: give a string, a list of strings, or token ids", "prompt",
                            "empty_prompt")
@@ -397,10 +399,8 @@ class OpenAIServing:
         text, special tokens kept, as vLLM echoes them); "" for each without."""
         if not req.echo:
             return [""] * len(prompts)
-        sent = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
-            else list(req.prompt)
         return [p if isinstance(p, str) and req.truncate_prompt_tokens is None
-                else self.tokenizer.decode(ids, skip_special_tokens=False) for p, ids in zip(sent, prompts)]
+                else self.tokenizer.decode(ids, skip_special_tokens=False) for p, ids in zip(_prompt_list(req.prompt), prompts)]
 
     async def _completion_events(self, rid: str, created: int, streams: list[RequestStream], req: CompletionRequest,
                                  prompt_len: int, echo: list[str]) -> AsyncIterator[str]:
