@@ -11,6 +11,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # token id -> logprob, best first
+    rank: int | None = None  # 1 + how many tokens were more likely (given for prompt tokens, as vLLM does)
 
 
 @dataclass
@@ -68,3 +69,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # SamplingParams.prompt_logprobs: one entry a prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[Logprob | None] | None = None

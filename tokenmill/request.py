@@ -54,6 +54,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.logprobs: list[Logprob] | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list[Logprob | None] | None = \
+            [None] if sampling_params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.block_hashes: list[int] = []   # chained hashes of this request's full blocks, filled lazily
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step; never in all_token_ids
@@ -77,6 +79,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status in _FINISHED
+
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """The first prompt position whose logits still owe a prompt logprob (position p's give token p + 1's),
+        None when none is owed. Positions from here on are computed, never taken from the prefix cache."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens:
+            return None
+        return len(self.prompt_logprobs) - 1
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

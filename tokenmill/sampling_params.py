@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on a logit_bias value
+MAX_LOGPROBS = 20  # alternatives a position may list (OpenAI's bound, vLLM's default)
 
 
 class RequestOutputKind(enum.Enum):
@@ -32,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (and this many alternatives)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens can be sampled
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last this many tokens
@@ -88,9 +90,10 @@ class SamplingParams:
             self._fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             self._fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= 20):
-            self._fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                self._fail(name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):  # "no" would be truthy
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, getattr(self, name), "True or False")

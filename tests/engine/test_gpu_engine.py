@@ -54,6 +54,29 @@ def test_gpu_greedy_equals_cpu(model_dir, cpu_tokens, kw):
     assert tokens(model_dir, device="cuda", dtype="float32", **kw) == cpu_tokens
 
 
+def test_prompt_logprobs_equal_cpu(model_dir, cpu_tokens):
+    """Prompt logprob rows reach the GPU in the step's one staging copy (a second copy would overwrite the
+    sample rows before the LM head reads them): chunked and batched, the prompt logprobs and the greedy tokens
+    are the CPU engine's."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=3)
+
+    def run(**kw):
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_num_batched_tokens=24, **kw)
+        outs = llm.generate(PROMPTS, params)
+        del llm
+        release()
+        return outs
+
+    want = run(device="cpu")
+    got = run(device="cuda")
+    assert [o.outputs[0].token_ids for o in got] == cpu_tokens
+    for g, w in zip(got, want):
+        assert [lp.token_id for lp in g.prompt_logprobs[1:]] == [lp.token_id for lp in w.prompt_logprobs[1:]]
+        torch.testing.assert_close(torch.tensor([[lp.logprob, *lp.top.values()] for lp in g.prompt_logprobs[1:]]),
+                                   torch.tensor([[lp.logprob, *lp.top.values()] for lp in w.prompt_logprobs[1:]]),
+                                   atol=1e-3, rtol=0)
+
+
 def test_draft_speculation_with_graphs_keeps_greedy_tokens(model_dir, cpu_tokens):
     """The draft model's one-token steps replay its own decode graphs (the LM head inside them). The draft is the
     target itself, so its drafts are accepted: logits of another row or an earlier replay would not be."""

@@ -117,6 +117,25 @@ def test_tp2_ngram_speculation_keeps_greedy_tokens(tiny_dirs: dict[str, str]) ->
     llm.llm_engine.shutdown()
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tiny_dirs: dict[str, str]) -> None:
+    """Every rank runs the LM head over the prompt rows (it gathers the vocabulary across them); rank 0's
+    prompt logprobs equal a single rank's, over prompts chunked by the 16-token step budget."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+
+    def prompt_logprobs(llm: LLM) -> list[list[tuple[int, float, list[int]]]]:
+        return [[(lp.token_id, lp.logprob, list(lp.top)) for lp in o.prompt_logprobs[1:]]
+                for o in llm.generate(PROMPTS, params)]
+
+    want = prompt_logprobs(LLM(tiny_dirs["llama"], **ENGINE))
+    llm = LLM(tiny_dirs["llama"], tensor_parallel_size=2, **ENGINE)
+    got = prompt_logprobs(llm)
+    llm.llm_engine.shutdown()
+    assert [len(g) for g in got] == [len(p) - 1 for p in PROMPTS]
+    for g, w in zip(got, want):
+        assert [(t, top) for t, _, top in g] == [(t, top) for t, _, top in w]
+        assert [lp for _, lp, _ in g] == pytest.approx([lp for _, lp, _ in w], abs=1e-5)
+
+
 def test_tp2_async_scheduling_equals_tp1(tiny_dirs: dict[str, str]) -> None:
     """Steps launched before the previous step's tokens are read back: rank 0 broadcasts the sampled tokens on
     the device and the workers feed them to the next input as rank 0 does (greedy and seeded sampling)."""

@@ -316,6 +316,65 @@ def test_completion_echo_returns_the_prompt_first(server, client, model_name, st
         assert texts == [sent[c.index] + c.text for c in sorted(plain.choices, key=lambda c: c.index)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_with_logprobs_scores_the_prompt(server, client, model_name, stream):
+    """echo with logprobs (how lm-evaluation-harness scores a text): the prompt's tokens come first, the first
+    with no logprob, each other with its logprob under the model (the engine's prompt logprobs) and its top
+    alternatives; then the completion's, as without echo; text offsets run over the whole returned text."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    kwargs = dict(model=model_name, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    r = client.completions.create(**kwargs, echo=True, stream=stream)
+    parts = [c.choices[0].logprobs for c in r if c.choices] if stream else [r.choices[0].logprobs]
+    tokens = [t for p in parts for t in p.tokens]
+    chosen = [v for p in parts for v in p.token_logprobs]
+    tops = [t for p in parts for t in p.top_logprobs]
+    offsets = [o for p in parts for o in p.text_offset]
+    n = len(ids)
+    assert len(tokens) == n + 3 and tokens[n:] == plain.tokens
+    assert chosen[0] is None and tops[0] is None and all(v < 0 for v in chosen[1:n])
+    assert chosen[n:] == pytest.approx(plain.token_logprobs, abs=1e-4)
+    for token, logprob, top in zip(tokens[1:], chosen[1:], tops[1:]):
+        assert top[token] == logprob and len(top) <= 3
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    # the prompt's logprobs are those of prompt_logprobs (vLLM's field) and of the Python API
+    extra = client.completions.create(model=model_name, prompt=prompt, max_tokens=1,
+                                      extra_body={"prompt_logprobs": 2}).choices[0].prompt_logprobs
+    assert extra[0] is None and len(extra) == n
+    for i in range(1, n):
+        entry = extra[i][str(ids[i])]
+        assert entry["logprob"] == pytest.approx(chosen[i], abs=1e-4) and entry["rank"] >= 1
+
+
+def test_prompt_logprobs_entries(server, client, model_name):
+    """vLLM's prompt_logprobs: per prompt position (None first) the prompt token's logprob, rank and text, and
+    the k likeliest tokens with ranks 1..k; on chat completions at the response's top level."""
+    prompt = "One two three four"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for i, e in enumerate(entries[1:], 1):
+        mine = e[str(ids[i])]
+        assert mine["decoded_token"] == httpx.post(server.url + "/detokenize", json={"tokens": [ids[i]]}).json()[
+            "prompt"]
+        ranked = sorted(e.values(), key=lambda v: v["rank"])
+        assert [v["rank"] for v in ranked][:3] == [1, 2, 3]
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(ranked, ranked[1:]))
+        assert len(e) == (3 if mine["rank"] <= 3 else 4)  # the prompt token is one of the 3, or a 4th entry
+    assert "prompt_logprobs" in r.json()["choices"][0]
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                                 "prompt_logprobs": 0}).json()
+    n = chat["usage"]["prompt_tokens"]
+    assert len(chat["prompt_logprobs"]) == n and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat["prompt_logprobs"][1:])
+    plain = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+    assert plain["prompt_logprobs"] is None
+
+
 def test_tokenize_detokenize_roundtrip(server):
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024

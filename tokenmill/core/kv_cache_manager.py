@@ -157,11 +157,14 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request (at most num_tokens - 1 tokens: the last token is
-        always computed, so there are logits to sample from)."""
+        always computed, so there are logits to sample from; nor past the prompt logprobs still owed, whose
+        logits must be computed)."""
         if not self.enable_caching:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
+        if (owed := request.prompt_logprobs_from) is not None:
+            max_blocks = min(max_blocks, owed // bs)
         hashes = self._block_hashes(request, max_blocks)
         hits: list[KVCacheBlock] = []
         for i in range(max_blocks):

@@ -196,8 +196,9 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                child_params = SamplingParams(**{**params.__dict__, "n": 1,
-                                                 "seed": None if params.seed is None else (params.seed + i) % 2 ** 63})
+                child_params = SamplingParams(**{  # the prompt's logprobs are the first sample's to compute
+                    **params.__dict__, "n": 1, "seed": None if params.seed is None else (params.seed + i) % 2 ** 63,
+                    "prompt_logprobs": params.prompt_logprobs if i == 0 else None})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, child_params, now, priority, request_id, i, timeout))
         taken = next((c.request_id for c in children  # a finished sample's id stays taken until its group ends
@@ -276,6 +277,8 @@ class LLMEngine:
         """Forward, sample, read back and process one step (with speculation: verify, then propose)."""
         with self._watch_workers():
             result = (self.spec or self.runner).execute(out, self._block_ids(out))
+        for req, logprobs in result.prompt_logprobs:
+            req.prompt_logprobs += logprobs
         sampled_reqs = [s.request for s in out.scheduled if s.samples]
         if isinstance(result, VerifyOutput):
             self._process_verified(out, sampled_reqs, result)
@@ -289,12 +292,14 @@ class LLMEngine:
 
     def _can_launch_ahead(self, out: SchedulerOutput) -> bool:
         """Async scheduling, for a step that reads no token value on the host: no speculation (drafts are built
-        from the tokens), no penalties (the sampler counts earlier tokens on the host) and no logprobs (read back
-        with the logits). Under tensor parallelism rank 0 broadcasts the sampled tokens on the device."""
+        from the tokens), no penalties (the sampler counts earlier tokens on the host) and no logprobs, of
+        sampled or of prompt tokens (read back with the logits). Under tensor parallelism rank 0 broadcasts the
+        sampled tokens on the device."""
         if not self.args.async_scheduling or self.spec is not None:
             return False
         return not any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                       or p.logprobs is not None for p in (s.request.sampling_params for s in out.scheduled))
+                       or p.logprobs is not None or s.request.prompt_logprobs_from is not None
+                       for s, p in ((s, s.request.sampling_params) for s in out.scheduled))
 
     def _read_back_in_flight(self) -> None:
         """Read back the launched step's tokens, put them in place of their placeholders and process them;
@@ -375,8 +380,8 @@ class LLMEngine:
                     logprobs=c.logprobs, delta_text=delta_text, delta_token_ids=delta_ids))
             first = group.children[0]
             outputs.append(RequestOutput(rid, group.prompt, group.prompt_token_ids, completions, finished,
-                                         first.metrics, first.num_cached_tokens,
-                                         error=first.error))
+                                         first.metrics, first.num_cached_tokens, error=first.error,
+                                         prompt_logprobs=first.prompt_logprobs))
             if finished and self.groups.get(rid) is group:  # an aborted group is gone already
                 del self.groups[rid]
                 for c in group.children:

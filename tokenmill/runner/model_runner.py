@@ -17,6 +17,7 @@ from tokenmill.kernels import get_ops
 from tokenmill.distributed import all_reduce_min, broadcast_object, broadcast_tensor, tp_size
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
 from tokenmill.layers.linear import kv_heads_per_rank
+from tokenmill.outputs import Logprob
 from tokenmill.quant.kv_cache import kv_cache_torch_dtype, kv_row_width, prepare_fp8_kv
 from tokenmill.request import Request
 from tokenmill.runner.cuda_graph import CUDAGraphRunner
@@ -73,6 +74,38 @@ class ModelInput:
     # parallelism rank 0 broadcasts this step's sampled tokens into every rank's `sampled` buffer
     token_src: np.ndarray | None = None
     shares_sampled: bool = False
+    # SamplingParams.prompt_logprobs: the rows whose logits give a prompt token's logprob, that token (the next
+    # prompt token), and the most alternatives any of them asks for; None when no request of the step asks
+    logprob_rows: np.ndarray | None = None
+    logprob_targets: np.ndarray | None = None
+    logprob_k: int = 0
+
+
+@dataclass
+class PromptLogprobTensors:
+    """The prompt logprobs of a step's logprob rows, on the host: each row's target token's logprob and rank,
+    and its best logprob_k tokens."""
+
+    logprobs: torch.Tensor  # [rows] float32
+    ranks: torch.Tensor     # [rows] int64
+    top_ids: torch.Tensor   # [rows, logprob_k] int64
+    top_logprobs: torch.Tensor  # [rows, logprob_k] float32
+
+
+def prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """(index in out.scheduled, lo, hi) for each scheduled request owing prompt logprobs: positions [lo, hi) of
+    its prompt are computed this step and their logits give prompt tokens lo + 1 to hi."""
+    spans = []
+    for i, s in enumerate(out.scheduled):
+        r = s.request
+        owed = r.prompt_logprobs_from
+        if owed is None:
+            continue
+        c = r.num_computed_tokens
+        lo, hi = max(c, owed), min(c + s.num_new_tokens - s.num_spec_tokens, r.num_prompt_tokens - 1)
+        if lo < hi:
+            spans.append((i, lo, hi))
+    return spans
 
 
 class ModelRunner:
@@ -205,11 +238,13 @@ class ModelRunner:
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     # ---- one step ---------------------------------------------------------------------------
-    def prepare_input(self, out: SchedulerOutput, block_ids: list[list[int]]) -> ModelInput:
+    def prepare_input(self, out: SchedulerOutput, block_ids: list[list[int]],
+                      prompt_logprobs: bool = False) -> ModelInput:
         """The flat batch of a step; sample_rows are the rows whose logits are sampled (with draft tokens: the
-        last row and every draft row). Per request only the token ids are gathered in Python; positions, slots
-        and tables are built for the whole batch at once, since at a few hundred requests per step this is host
-        time the device waits for."""
+        last row and every draft row); prompt_logprobs: also the rows of prompt logprobs owed (a draft model's
+        runner leaves them to the target's). Per request only the token ids are gathered in Python; positions,
+        slots and tables are built for the whole batch at once, since at a few hundred requests per step this is
+        host time the device waits for."""
         sched = out.scheduled
         n = len(sched)
         ids: list[int] = []
@@ -236,21 +271,33 @@ class ModelRunner:
         first = np.repeat(qsl[1:] - 1 - num_spec, counts)
         sample_rows = first + np.arange(len(first)) - np.repeat(np.cumsum(counts) - counts, counts)
         seq_lens = (starts + num_new).astype(np.int32)
-        return ModelInput(
+        batch = ModelInput(
             input_ids=np.asarray(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
             query_start_loc=qsl.astype(np.int32), seq_lens=seq_lens, block_tables=tables, sample_rows=sample_rows,
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
+        spans = prompt_logprob_spans(out) if prompt_logprobs else []
+        if spans:
+            batch.logprob_rows = np.concatenate([np.arange(lo, hi) + (qsl[i] - starts[i]) for i, lo, hi in spans])
+            batch.logprob_targets = np.asarray([t for i, lo, hi in spans
+                                                for t in sched[i].request.prompt_token_ids[lo + 1: hi + 1]], np.int64)
+            batch.logprob_k = max(sched[i].request.sampling_params.prompt_logprobs for i, _, _ in spans)
+        return batch
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SamplerOutput | VerifyOutput:
-        """One step: sampled tokens, or, when some request carries draft tokens, the verified ones."""
-        logits = self.compute_logits(out, block_ids)
+        """One step: sampled tokens, or, when some request carries draft tokens, the verified ones; and the
+        prompt logprobs the step computed."""
+        logits, prompt = self.forward_all_ranks(self._batch(out, block_ids, prompt_logprobs=True))
         reqs = [s.request for s in out.scheduled if s.samples]
         if logits is None:
-            return SamplerOutput([], [])
-        if self.rejection_sampler is not None and any(s.num_spec_tokens for s in out.scheduled):
-            return self.rejection_sampler(logits, reqs)
-        return self.sampler(logits, reqs)
+            result: SamplerOutput | VerifyOutput = SamplerOutput([], [])
+        elif self.rejection_sampler is not None and any(s.num_spec_tokens for s in out.scheduled):
+            result = self.rejection_sampler(logits, reqs)
+        else:
+            result = self.sampler(logits, reqs)
+        if prompt is not None:
+            result.prompt_logprobs = assemble_prompt_logprobs(out, prompt)
+        return result
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, block_ids: list[list[int]], prev: LaunchedStep | None) -> LaunchedStep:
@@ -285,51 +332,91 @@ class ModelRunner:
                        shares_sampled: bool = False) -> torch.Tensor | None:
         """Forward one step; the logits of the rows to sample, None if there are none. shares_sampled: the caller
         broadcasts the tokens it samples from them to the other tensor-parallel ranks (async scheduling)."""
+        return self.forward_all_ranks(self._batch(out, block_ids, prev, shares_sampled))[0]
+
+    def _batch(self, out: SchedulerOutput, block_ids: list[list[int]], prev: LaunchedStep | None = None,
+               shares_sampled: bool = False, prompt_logprobs: bool = False) -> ModelInput:
         if tp_size() != self.tp_size:
             raise RuntimeError(f"this runner was built for {self.tp_size} tensor-parallel rank(s) but the process now "
                                f"runs a group of {tp_size()}: one engine at a time when tensor parallelism is on")
-        batch = self.prepare_input(out, block_ids)
+        batch = self.prepare_input(out, block_ids, prompt_logprobs)
         if prev is not None:
             batch.token_src = pending_inputs(out, batch, prev)
         batch.shares_sampled = shares_sampled
-        return self.forward_all_ranks(batch)
+        return batch
 
-    def forward_all_ranks(self, batch: ModelInput) -> torch.Tensor | None:
+    def forward_all_ranks(self, batch: ModelInput) -> tuple[torch.Tensor | None, PromptLogprobTensors | None]:
         """forward() here, and on every other tensor-parallel rank (engine/tp_worker.py replays the batch)."""
         if self.tp_size > 1:
             broadcast_object(batch)
         return self.forward(batch)
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput) -> torch.Tensor | None:
-        """The forward of one flat batch; logits of its sample rows, None if there are none."""
+    def forward(self, batch: ModelInput) -> tuple[torch.Tensor | None, PromptLogprobTensors | None]:
+        """The forward of one flat batch: logits of its sample rows (None if there are none), and the prompt
+        logprobs of its logprob rows (None if there are none). Every tensor-parallel rank computes both: the
+        LM head gathers its vocabulary shards across them."""
         num_seqs = len(batch.seq_lens)
-        if self.graphs is not None and batch.max_query_len == 1 and self.graphs.fits(batch):
+        scored: list[torch.Tensor] = []  # the logprob rows and their targets on the device
+        if (self.graphs is not None and batch.max_query_len == 1 and batch.logprob_rows is None
+                and self.graphs.fits(batch)):
             out, is_logits = self.graphs.replay(batch)
             sample_rows = None if len(batch.sample_rows) == num_seqs else self._to_device([batch.sample_rows])[0]
             if is_logits and len(batch.sample_rows):
-                return out if sample_rows is None else out[sample_rows]
+                return (out if sample_rows is None else out[sample_rows]), None
             hidden = out
         else:
             pending = [] if batch.token_src is None else [batch.token_src]
-            ids, positions, slots, qsl, seq_lens, tables, sample_rows, *token_src = self._to_device([
+            wanted = [] if batch.logprob_rows is None else [batch.logprob_rows, batch.logprob_targets]
+            ids, positions, slots, qsl, seq_lens, tables, sample_rows, *rest = self._to_device([
                 batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
-                batch.block_tables, batch.sample_rows, *pending])
+                batch.block_tables, batch.sample_rows, *wanted, *pending])  # one copy: a second would overwrite
+            scored, token_src = rest[:len(wanted)], rest[len(wanted):]
             if token_src:
                 self.fill_pending(ids, token_src[0], self.sampled)
             meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
                                      max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
             with forward_context(meta):
                 hidden = self.model(ids, positions)
+        prompt = self._prompt_logprobs(hidden, *scored, batch.logprob_k) if scored else None
         if not len(batch.sample_rows):
-            return None
-        return self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
+            return None, prompt
+        return self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows]), prompt
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+                         k: int) -> PromptLogprobTensors:
+        """The raw log-softmax (vLLM's default logprobs mode) at the logprob rows, max_num_seqs rows at a time:
+        the memory profile reserved logits for that many rows, and a prompt's rows may be thousands."""
+        parts = []
+        chunk = self.args.max_num_seqs
+        for start in range(0, len(rows), chunk):
+            logits = self.model.compute_logits(hidden[rows[start:start + chunk]])[:, :self.config.vocab_size]
+            lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            target = lp.gather(1, targets[start:start + chunk, None])
+            top = lp.topk(k, dim=-1)
+            parts.append((target[:, 0], (lp > target).sum(-1) + 1, top.indices, top.values))
+        return PromptLogprobTensors(*(torch.cat(t).cpu() for t in zip(*parts)))
 
     def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """On the CPU the arrays themselves; on a GPU, one copy through the staging buffer."""
         if self.staging is None:
             return [torch.from_numpy(a) for a in arrays]
         return self.staging.to_device(arrays)
+
+
+def assemble_prompt_logprobs(out: SchedulerOutput, t: PromptLogprobTensors) -> list[tuple[Request, list[Logprob]]]:
+    """Per request owing prompt logprobs this step, its next ones (prompt_logprob_spans' order, as the rows)."""
+    logprobs, ranks, top_ids, top_lps = (x.tolist() for x in (t.logprobs, t.ranks, t.top_ids, t.top_logprobs))
+    result, row = [], 0
+    for i, lo, hi in prompt_logprob_spans(out):
+        r = out.scheduled[i].request
+        k = r.sampling_params.prompt_logprobs
+        lps = []
+        for target in r.prompt_token_ids[lo + 1: hi + 1]:
+            lps.append(Logprob(target, logprobs[row], dict(zip(top_ids[row][:k], top_lps[row][:k])), ranks[row]))
+            row += 1
+        result.append((r, lps))
+    return result
 
 
 def pending_inputs(out: SchedulerOutput, batch: ModelInput, prev: LaunchedStep) -> np.ndarray | None:

@@ -3,7 +3,7 @@ logprobs. Sampling uses the exponential-race form (argmax of p / Exp(1) noise) s
 draws its noise from its own generator and gets the same tokens whatever batch it is in."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ from tokenmill.runner.staging import device_tensor
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprob | None]
+    prompt_logprobs: list[tuple[Request, list[Logprob]]] = field(default_factory=list)  # the runner's, this step
 
 
 class Sampler:

@@ -99,7 +99,9 @@ class SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
                                                                        "many tokens")
     response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
-    prompt_logprobs: int | None = Field(None, description="vLLM's; not supported: refused unless null")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: the logprob and rank of each prompt "
+                                                                     "token and its k likeliest alternatives "
+                                                                     "(not with stream)")
     # GUIDED_FIELDS, typed Any so that every non-null value is refused by name, not failed as a wrong type
     guided_json: Any = Field(None, description="vLLM's; not supported: refused unless null")
     guided_regex: Any = Field(None, description="vLLM's; not supported: refused unless null")
@@ -113,9 +115,9 @@ class SamplingRequest(_Request):
         if self.response_format is not None and self.response_format.get("type") != "text":
             out.append(("response_format", f"response_format {self.response_format!r} is not supported: tokenmill "
                                            'generates free text only; omit it or send {"type": "text"}'))
-        if self.prompt_logprobs is not None:
-            out.append(("prompt_logprobs", "prompt_logprobs is not supported: logprobs are given for generated "
-                                           "tokens only; omit prompt_logprobs"))
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come with the whole response
+            out.append(("prompt_logprobs", "prompt_logprobs is not supported with stream: true (as in vLLM, they "
+                                           "come with the whole response); omit it or send stream: false"))
         for name in GUIDED_FIELDS:
             if getattr(self, name) is not None:
                 out.append((name, f"{name} is not supported: tokenmill does not implement constrained decoding, "
@@ -189,6 +191,17 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token or an alternative at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # a prompt position's token ids (as strings) -> entries
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -214,6 +227,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -245,13 +259,11 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k alternatives per token")
     suffix: str | None = Field(None, description="not supported: refused unless null")
     best_of: int | None = Field(None, description="not supported: refused unless null or equal to n")
-    echo: bool = Field(False, description="return the prompt's text before each completion (not with logprobs)")
+    echo: bool = Field(False, description="return the prompt's text (with logprobs: its tokens' logprobs) before "
+                                          "each completion")
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo and self.logprobs is not None:
-            out.append(("echo", "echo with logprobs is not supported: the prompt's tokens get no logprobs here; "
-                                "omit echo or logprobs"))
         if self.suffix is not None:
             out.append(("suffix", "suffix is not supported: tokenmill completes a prompt, it does not insert text; "
                                   "omit suffix"))
@@ -263,8 +275,8 @@ class CompletionRequest(SamplingRequest):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token: nothing precedes it
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -273,6 +285,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -24,7 +24,8 @@ from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                      DeltaMessage, TokenLogprob, TopLogprob, Usage, SamplingRequest)
+                                      DeltaMessage, PromptLogprob, PromptLogprobs, SamplingRequest, TokenLogprob,
+                                      TopLogprob, Usage)
 
 RETRY_AFTER_S = 1
 
@@ -157,7 +158,8 @@ class OpenAIServing:
                                 f"{bad[0][:40]!r}", "logit_bias", "invalid_value")
         return {int(k): v for k, v in bias.items()}
 
-    def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = self._logit_bias(req.logit_bias)
         try:
             params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -167,7 +169,8 @@ class OpenAIServing:
                                     stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                     include_stop_str_in_output=req.include_stop_str_in_output,
                                     skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
-                                    logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids)
+                                    prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                                    allowed_token_ids=req.allowed_token_ids)
             params.verify_vocab(self.engine.engine.model_config.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from e
@@ -248,17 +251,37 @@ class OpenAIServing:
             content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[top(t, v) for t, v in lp.top.items()]))
         return ChatLogprobs(content=content)
 
-    def _completion_logprobs(self, lps: list[Logprob], offset: int) -> CompletionLogprobs:
-        """OpenAI's (and vLLM's) top_logprobs always hold the sampled token, so up to logprobs + 1 entries."""
-        tokens = [self._token_text(lp.token_id) for lp in lps]
+    def _completion_logprobs(self, lps: list[Logprob | None], offset: int, k: int, first_id: int = -1
+                             ) -> CompletionLogprobs:
+        """OpenAI's (and vLLM's) top_logprobs always hold the sampled token, so up to k + 1 entries. A None entry
+        is an echoed prompt's first token (first_id), which nothing precedes: no logprob, no alternatives."""
+        tokens = [self._token_text(first_id if lp is None else lp.token_id) for lp in lps]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in lps],
-                                  top_logprobs=[{**{self._token_text(t): v for t, v in lp.top.items()},
-                                                 token: lp.logprob} for token, lp in zip(tokens, lps)],
-                                  text_offset=offsets)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[None if lp is None else lp.logprob for lp in lps],
+            top_logprobs=[None if lp is None else {**{self._token_text(t): v for t, v in list(lp.top.items())[:k]},
+                                                   token: lp.logprob} for token, lp in zip(tokens, lps)],
+            text_offset=offsets)
+
+    def _prompt_logprobs(self, out: RequestOutput, k: int | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs of a request that asked for k (None: it did not): per prompt position, the
+        prompt token's entry, then its k likeliest alternatives' (ranks 1 to k)."""
+        if k is None or out.prompt_logprobs is None:
+            return None
+        result: PromptLogprobs = []
+        for lp in out.prompt_logprobs:
+            if lp is None:
+                result.append(None)
+                continue
+            entries = {str(lp.token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                       decoded_token=self._token_text(lp.token_id))}
+            for rank, (t, v) in enumerate(list(lp.top.items())[:k], 1):
+                entries.setdefault(str(t), PromptLogprob(logprob=v, rank=rank, decoded_token=self._token_text(t)))
+            result.append(entries)
+        return result
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text, encoded in a worker thread: `tokenizers` releases the GIL, so a long prompt (up to
@@ -292,7 +315,8 @@ class OpenAIServing:
             ids = ids[-req.truncate_prompt_tokens:]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages", field)
-        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                       req.prompt_logprobs)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await self._add([(rid, ids, params)], req)
         if req.stream:
@@ -303,7 +327,8 @@ class OpenAIServing:
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
                    for c in out.outputs]
         body = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                      usage=self._usage(len(ids), out.outputs))
+                                      usage=self._usage(len(ids), out.outputs),
+                                      prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _chat_events(self, rid: str, created: int, streams: list[RequestStream], req: ChatCompletionRequest,
@@ -370,10 +395,13 @@ class OpenAIServing:
         if req.truncate_prompt_tokens is not None:
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt") for ids in prompts]
+        # an echoed prompt's tokens get logprobs too (OpenAI's legacy behaviour, vLLM's)
+        echo_k = req.logprobs if req.echo else None
+        prompt_k = max((k for k in (req.prompt_logprobs, echo_k) if k is not None), default=None)
         if len(set(max_tokens)) > 1:  # max_tokens null with prompts of several lengths: each gets its own budget
-            params = [self._sampling_params(req, m, req.logprobs) for m in max_tokens]
+            params = [self._sampling_params(req, m, req.logprobs, prompt_k) for m in max_tokens]
         else:
-            params = [self._sampling_params(req, max_tokens[0], req.logprobs)] * len(prompts)
+            params = [self._sampling_params(req, max_tokens[0], req.logprobs, prompt_k)] * len(prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await self._add([(f"{rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))], req)
         prompt_len = sum(len(ids) for ids in prompts)
@@ -386,13 +414,19 @@ class OpenAIServing:
         for i, out in enumerate(outs):
             for c in out.outputs:
                 completions.append(c)
-                choices.append(CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text,
-                                                finish_reason=c.finish_reason,
-                                                logprobs=self._completion_logprobs(c.logprobs, 0)
-                                                if req.logprobs is not None else None))
+                choices.append(CompletionChoice(
+                    index=i * req.n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason,
+                    logprobs=None if req.logprobs is None else self._completion_logprobs(
+                        self._echoed_logprobs(req, out) + c.logprobs, 0, req.logprobs, out.prompt_token_ids[0]),
+                    prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs)))
         body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                   usage=self._usage(prompt_len, completions))
         return Response(body.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def _echoed_logprobs(req: CompletionRequest, out: RequestOutput) -> list[Logprob | None]:
+        """The prompt's logprobs that go before the completion's: all of them with echo, none without."""
+        return list(out.prompt_logprobs or []) if req.echo else []
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """With echo, each prompt's text as the client sent it (token ids or a truncated prompt: their decoded
@@ -417,13 +451,16 @@ class OpenAIServing:
                     if index in finished:
                         continue
                     lps = None
-                    if req.logprobs is not None and c.delta_token_ids:
+                    first = index not in echoed  # the prompt goes first, in a choice's first chunk
+                    if req.logprobs is not None and (c.delta_token_ids or first and req.echo):
                         start = sent_logprobs.get(index, 0)
                         new = c.logprobs[start:start + len(c.delta_token_ids)]
                         sent_logprobs[index] = start + len(new)
-                        lps = self._completion_logprobs(new, text_len.get(index, 0))
+                        lps = self._completion_logprobs((self._echoed_logprobs(req, out) if first else []) + new,
+                                                        text_len.get(index, 0), req.logprobs,
+                                                        out.prompt_token_ids[0])
                         text_len[index] = text_len.get(index, 0) + sum(len(t) for t in lps.tokens)
-                    prefix = echo[i] if index not in echoed else ""  # the prompt goes first, in a choice's first chunk
+                    prefix = echo[i] if first else ""
                     if prefix or c.delta_text or c.finish_reason or lps is not None:
                         echoed.add(index)
                         choice = CompletionChoice(index=index, text=prefix + c.delta_text, logprobs=lps,

@@ -30,6 +30,7 @@ class VerifyOutput:
     token_ids: list[list[int]]
     logprobs: list[list[Logprob | None]]
     num_drafts: list[int]
+    prompt_logprobs: list[tuple[Request, list[Logprob]]] = field(default_factory=list)  # the runner's, this step
 
 
 def accept(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
