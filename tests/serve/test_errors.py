@@ -232,6 +232,16 @@ def test_body_not_sent_as_json_names_its_content_type(server, path, body, conten
     assert "Content-Type" not in err["message"]
 
 
+@pytest.mark.parametrize("body", [
+    '{"prompt": "caf\xe9"}'.encode("latin-1"),     # not UTF-8
+    "[" * 2000 + "]" * 2000,                         # deeper than the JSON parser's recursion limit
+])
+def test_unreadable_body_is_invalid_json_saying_what_is_taken(server, body):
+    """Bodies the JSON parser cannot read at all were FastAPI's "There was an error parsing the body", code null."""
+    err = assert_error(post(server, "/v1/completions", body), 400, None, "UTF-8 JSON")
+    assert err["code"] == "invalid_json", err
+
+
 def test_openai_client_raises_bad_request(client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=[], max_tokens=4)

@@ -127,6 +127,10 @@ def validation_error_response(exc: RequestValidationError, content_type: str | N
     return error_response(400, "; ".join(list(messages.values())[:3]), param=first, code="invalid_value")
 
 
+FASTAPI_UNPARSABLE_BODY = "There was an error parsing the body"  # FastAPI's detail when json.loads raises
+                                                                 # anything but a JSONDecodeError
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -138,6 +142,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_UNPARSABLE_BODY:  # not text or too deep to parse
+            return error_response(400, "the request body could not be read: send UTF-8 JSON, uncompressed, nested "
+                                       "fewer than 1000 levels deep", code="invalid_json")
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}
         return error_response(exc.status_code, message.get(exc.status_code, str(exc.detail)),
