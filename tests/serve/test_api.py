@@ -300,6 +300,25 @@ def test_continue_final_message(server, client, model_name):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_begins_with_the_last_message_of_the_replys_role(client, model_name, stream):
+    """vLLM's chat echo: a prefilled assistant message (continue_final_message) comes back before the reply; a
+    last message of another role (the user's, with a generation prompt) does not."""
+    prefilled = MESSAGES + [{"role": "assistant", "content": "The capital of France is"}]
+    kwargs = dict(model=model_name, max_completion_tokens=3, temperature=0, stream=stream)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+
+    def text(r) -> str:
+        return "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream \
+            else r.choices[0].message.content
+
+    plain = text(client.chat.completions.create(messages=prefilled, extra_body=cont, **kwargs))
+    echoed = text(client.chat.completions.create(messages=prefilled, extra_body={**cont, "echo": True}, **kwargs))
+    assert echoed == "The capital of France is" + plain and plain.startswith(" Paris")
+    user_last = text(client.chat.completions.create(messages=MESSAGES, extra_body={"echo": True}, **kwargs))
+    assert user_last == text(client.chat.completions.create(messages=MESSAGES, **kwargs))
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_completion_echo_returns_the_prompt_first(server, client, model_name, stream):
     """echo: each choice's text starts with its prompt (text as sent; token ids decoded), streamed in the first
     chunk of each choice; the completion after it is the one without echo."""

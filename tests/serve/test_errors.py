@@ -140,7 +140,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (True, "tool_choice", dict(tool_choice={"type": "function", "function": {"name": "f"}})),
     (True, "functions", dict(functions=[TOOL["function"]])),
     (True, "function_call", dict(function_call="auto")),
-    (True, "echo", dict(extra_body={"echo": True})),
     (True, "prompt_logprobs", dict(extra_body={"prompt_logprobs": 1}, stream=True)),
     (False, "suffix", dict(suffix="!")),
     (False, "best_of", dict(best_of=2)),

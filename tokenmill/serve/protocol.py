@@ -146,7 +146,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    echo: bool = Field(False, description="vLLM's; not supported: true is refused")
+    echo: bool = Field(False, description="vLLM's: begin the reply with the last message's content when that "
+                                          "message has the reply's role (assistant; with add_generation_prompt "
+                                          "false, the last message's own)")
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="default: what the context leaves")
     logprobs: bool = False
@@ -163,9 +165,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported on chat: the last message is not prepended to the reply; "
-                                "omit echo or send false"))
         for name in ("tools", "functions"):
             if getattr(self, name):
                 out.append((name, f"{name} is not supported: tokenmill does not implement tool calling; omit {name}"))

@@ -323,13 +323,22 @@ class OpenAIServing:
             return EventStreamResponse(self._chat_events(rid, created, streams, req, len(ids)),
                                        lambda: self._abort(streams, "client_disconnect"))
         out = (await self._collect(streams, raw))[0]
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+        echo = self._chat_echo(req)
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=echo + c.text),
+                              finish_reason=c.finish_reason,
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
                    for c in out.outputs]
         body = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                       usage=self._usage(len(ids), out.outputs),
                                       prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs))
         return Response(body.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def _chat_echo(req: ChatCompletionRequest) -> str:
+        """vLLM's chat echo: the last message's content, where that message has the reply's role (the assistant's,
+        or with add_generation_prompt false the last message's own: the reply goes on with it)."""
+        last = req.messages[-1]
+        return last.text() if req.echo and (not req.add_generation_prompt or last.role == "assistant") else ""
 
     async def _chat_events(self, rid: str, created: int, streams: list[RequestStream], req: ChatCompletionRequest,
                            prompt_len: int) -> AsyncIterator[str]:
@@ -342,6 +351,7 @@ class OpenAIServing:
 
         started = [False] * req.n
         sent_logprobs = [0] * req.n
+        echo = self._chat_echo(req)
         finished: dict[int, CompletionOutput] = {}  # by index: the engine reports a finished choice at every step
         try:                                          # until the whole group ends
             async for _, out in _merge(streams):
@@ -351,6 +361,8 @@ class OpenAIServing:
                     if not started[c.index]:
                         started[c.index] = True
                         yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                        if echo:
+                            yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=echo)))
                     lps = None
                     if req.logprobs and c.delta_token_ids:
                         new = c.logprobs[sent_logprobs[c.index]:sent_logprobs[c.index] + len(c.delta_token_ids)]
