@@ -63,12 +63,14 @@ class MmaGemvConfig:
 # time over a layer (72 to 76 us at 2 to 8 rows against 130 to 156 for the tile kernel; 109 and 113 at 12 and 16
 # against 163 and 170), one config for all of them, so a row's result never depends on how many others there
 # are. One row: the CUDA-core GEMV (triton_gemv.py) stays faster on qkv and o (8.9 and 7.2 us against 9.6 and
-# 7.7 here); wide matrices (gate/up: 28.3 us against 32.4; 26.1 against 30.0 with two-warp programs fed by a
-# TMA ring, where the GPU has TMA) and deep ones (down: 16.3 against 17.2) come here, when large enough to have
-# been measured. Deeper rings were slower (8 stages: 33.4 us), and the ring lost on the other shapes.
+# 7.7 here); wide matrices (gate/up: 28.3 us against 32.4; with two-warp programs fed by a TMA ring, where the
+# GPU has TMA, 24.6, taking two spans a step at 3 programs a multiprocessor: gate/up in one wave of 448 programs,
+# no K split; 26.7 at one span a step) and deep ones (down: 16.3 against 17.2) come here, when large enough to
+# have been measured. Deeper rings were slower (8 stages: 33.4 us), and the ring lost on the other shapes (down,
+# qkv, o: 17.3, 10.1, 8.4 us with two spans a step).
 MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
-ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=4, stages=4)
+ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=3, stages=4)
 ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
 
 
@@ -402,6 +404,26 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
 
 
 @gluon.jit
+def _ring_span(w_desc, ring, bars, i, n_spans, row0, col0, T: gl.constexpr, TILES: gl.constexpr,
+               WPT: gl.constexpr, STAGES: gl.constexpr, SPAN_WORDS: gl.constexpr, BLOCK_N: gl.constexpr,
+               LA: gl.constexpr, FLAT: gl.constexpr):
+    """Span i's packed words of rows g and g + 8 from its stage of the TMA ring, which is then refilled with span
+    i + STAGES (where there is one)."""
+    stage = i % STAGES
+    mbarrier.wait(bars.index(stage), i // STAGES % 2)
+    words = ring.index(stage)
+    wg = words.slice(0, BLOCK_N // 2)._reinterpret(gl.int32, [TILES, T, WPT], FLAT).permute([1, 0, 2]).load(LA)
+    wh = words.slice(BLOCK_N // 2, BLOCK_N // 2)._reinterpret(gl.int32, [TILES, T, WPT], FLAT).permute(
+        [1, 0, 2]).load(LA)
+    gl.thread_barrier()  # every thread has read the stage: the copy below may overwrite it
+    refill = i + STAGES < n_spans
+    mbarrier.expect(bars.index(stage), BLOCK_N * SPAN_WORDS * 4, pred=refill)
+    tma.async_copy_global_to_shared(w_desc, [row0, col0 + (i + STAGES) * SPAN_WORDS], bars.index(stage),
+                                    ring.index(stage), pred=refill)
+    return wg, wh
+
+
+@gluon.jit
 def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
                          k_per_split, stride_x, stride_sn,
                          GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -410,7 +432,11 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     """_int4_mma_kernel with the weights copied by TMA into a ring of STAGES spans in shared memory: the copies
     in flight hold no registers. w_desc: the packed weight as 32-bit words, [BLOCK_N, GROUP / 8] a block. A
     stage's rows map to threads as [rows g or g + 8, tiles, threads, words], so thread (w, l) of tile i reads
-    row i 8 WARPS + 8 w + l // 4 (g) and that + 8 TILES WARPS (g + 8)."""
+    row i 8 WARPS + 8 w + l // 4 (g) and that + 8 TILES WARPS (g + 8). Two spans a step, each with registers of
+    its own for its x, scales and mins: one span's are loaded while the other is multiplied. With one span
+    carried into the next step, ptxas copied the loads into the loop's registers at the step's end and waited
+    for them there (Nsight Compute: 14.5% of stall samples); two spans take 154 registers against 116, and gate/up
+    runs in 24.6 us against 26.7 (H200, docs/BENCHMARKS.md)."""
     WPT: gl.constexpr = GROUP // 32
     L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     LA: gl.constexpr = gl.SliceLayout(2, L4)
@@ -452,23 +478,19 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     last = k_lo + (n_spans - 1) * GROUP
     if PDL:
         gdc_wait()
-    nxt = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k, k_lo, K, GROUP, EVEN_K)
-    for i in range(n_spans):
-        stage = i % STAGES
-        mbarrier.wait(bars.index(stage), i // STAGES % 2)
-        words = ring.index(stage)
-        wg = words.slice(0, BLOCK_N // 2)._reinterpret(gl.int32, [TILES, T, WPT], FLAT).permute([1, 0, 2]).load(LA)
-        wh = words.slice(BLOCK_N // 2, BLOCK_N // 2)._reinterpret(gl.int32, [TILES, T, WPT], FLAT).permute(
-            [1, 0, 2]).load(LA)
-        gl.thread_barrier()  # every thread has read the stage: the copy below may overwrite it
-        refill = i + STAGES < n_spans
-        mbarrier.expect(bars.index(stage), BLOCK_N * SPAN_WORDS * 4, pred=refill)
-        tma.async_copy_global_to_shared(w_desc, [row0, col0 + (i + STAGES) * SPAN_WORDS], bars.index(stage),
-                                        ring.index(stage), pred=refill)
-        side = nxt
-        nxt = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k,
-                         gl.minimum(k_lo + (i + 1) * GROUP, last), K, GROUP, EVEN_K)
-        p0, p1, p2, p3 = _span_mma((wg, wh) + side, p0, p1, p2, p3, LB, PAIR)
+    side_a = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k, k_lo, K, GROUP, EVEN_K)
+    for i in range(0, n_spans, 2):  # two spans a step: each one's side loads fly while the other is multiplied
+        side_b = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k,
+                            gl.minimum(k_lo + (i + 1) * GROUP, last), K, GROUP, EVEN_K)
+        wg, wh = _ring_span(w_desc, ring, bars, i, n_spans, row0, col0, T, TILES, WPT, STAGES, SPAN_WORDS, BLOCK_N,
+                            LA, FLAT)
+        p0, p1, p2, p3 = _span_mma((wg, wh) + side_a, p0, p1, p2, p3, LB, PAIR)
+        side_a = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k,
+                            gl.minimum(k_lo + (i + 2) * GROUP, last), K, GROUP, EVEN_K)
+        if i + 1 < n_spans:
+            wg, wh = _ring_span(w_desc, ring, bars, i + 1, n_spans, row0, col0, T, TILES, WPT, STAGES, SPAN_WORDS,
+                                BLOCK_N, LA, FLAT)
+            p0, p1, p2, p3 = _span_mma((wg, wh) + side_b, p0, p1, p2, p3, LB, PAIR)
     if PDL:
         gdc_launch_dependents()
     _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HAS_BIAS,
