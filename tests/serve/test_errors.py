@@ -206,6 +206,20 @@ def test_prompt_longer_than_context_names_both_lengths(server):
     assert "1024" in assert_error(r, 400, "messages")["message"]
 
 
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server):
+    """A text whose UTF-8 size over 4 x the longest token (81 bytes) already exceeds the context is refused without
+    being tokenized, saying how many tokens it has at least; /tokenize still counts it, and with
+    truncate_prompt_tokens (which keeps its end) it runs."""
+    text = "hello world " * 40000  # 480,000 bytes: at least 1481 tokens of at most 81 bytes, with the slack of 4
+    err = assert_error(post(server, "/v1/completions", {"prompt": text}), 400, "prompt", "at least 1481")
+    assert err["code"] == "context_length_exceeded" and "1024" in err["message"], err
+    r = post(server, CHAT, {"messages": [{"role": "user", "content": text}]})
+    assert "at least" in assert_error(r, 400, "messages")["message"]
+    assert httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=60).json()["count"] >= 1481
+    r = post(server, "/v1/completions", {"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
+
+
 def test_unknown_model_and_path_are_404(server, client):
     assert_error(post(server, CHAT, {"model": "gpt-4", "messages": OK_MESSAGES}), 404, "model", "gpt-4")
     with pytest.raises(openai.NotFoundError):

@@ -6,6 +6,7 @@ engine step."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,7 @@ from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkCho
                                       TopLogprob, Usage)
 
 RETRY_AFTER_S = 1
+FITS_SLACK = 4  # how much a tokenizer's normalizer may shrink a text, at most (encode's fits)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -283,17 +285,39 @@ class OpenAIServing:
             result.append(entries)
         return result
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True, fits: str | None = None) -> list[int]:
         """Token ids of a text, encoded in a worker thread: `tokenizers` releases the GIL, so a long prompt (up to
-        the body limit, seconds of encoding) does not stall the event loop, every other stream and /health with it."""
+        the body limit, seconds of encoding) does not stall the event loop, every other stream and /health with it.
+        fits: the request's name for a text that must fit the context; one that cannot, whatever its tokens, is
+        refused before encoding (a 15 MB prompt took 37 s to encode before its 400)."""
+        if fits is not None:
+            self._check_fits(text, fits)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    def _check_fits(self, text: str, what: str) -> None:
+        """No token stands for more than max_token_bytes bytes of text, so a text has at least its UTF-8 size over
+        that many tokens. Normalizers may shrink a text before it is split (NFC composes up to 3 jamo into one
+        Hangul syllable): the bound is taken with a slack of 4."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size < FITS_SLACK * self.max_model_len:  # fits whatever the vocabulary: no need to know its longest
+            return
+        at_least = size // (FITS_SLACK * self.max_token_bytes)
+        if at_least >= self.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the {what} "
+                                f"has at least {at_least} ({size} bytes of text, no token longer than "
+                                f"{self.max_token_bytes} bytes); shorten the {what}", what, "context_length_exceeded")
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token of the vocabulary stands for (special tokens included)."""
+        return max(1, max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size)))
 
     # ---- chat completions -------------------------------------------------------------------
     async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                              continue_final_message: bool = False) -> list[int]:
+                              continue_final_message: bool = False, fits: bool = False) -> list[int]:
         """A developer message is a system message, as OpenAI treats it (its newer name for system): most chat
         templates know system only, and SmolLM2's rendered developer as a turn of its own after its default system
-        prompt."""
+        prompt. fits: a rendered chat that cannot fit the context is refused before encoding (encode's)."""
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in messages]
         if continue_final_message and add_generation_prompt:
@@ -304,13 +328,14 @@ class OpenAIServing:
                                                       continue_final_message=continue_final_message)
         except Exception as e:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
-        return await self.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=False, fits="messages" if fits else None)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
-        ids = await self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.continue_final_message)
+        ids = await self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                         fits=req.truncate_prompt_tokens is None)
         if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
             ids = ids[-req.truncate_prompt_tokens:]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
@@ -384,7 +409,9 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
     # ---- completions ------------------------------------------------------------------------
-    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                                  fits: str | None = None) -> list[list[int]]:
+        """fits: as encode's, for text prompts."""
         prompts = _prompt_list(prompt)
         if not prompts:
             raise APIError(400, "prompt is empty: give a string, a list of strings, or token ids", "prompt",
@@ -393,7 +420,7 @@ class OpenAIServing:
         ids = []
         for p in prompts:
             if isinstance(p, str):
-                ids.append(await self.encode(p))
+                ids.append(await self.encode(p, fits=fits))
                 continue
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
@@ -403,7 +430,8 @@ class OpenAIServing:
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self._admit(req)
-        prompts = await self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt,
+                                                 "prompt" if req.truncate_prompt_tokens is None else None)
         if req.truncate_prompt_tokens is not None:
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt") for ids in prompts]
