@@ -107,6 +107,27 @@ def test_chat_streaming_matches_non_streaming(server, client, model_name):
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats(server, client, model_name, chat):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far (completion
+    tokens never fewer than the text streamed so far needs, ending at the choice's count); the last chunk stays
+    the request's total. Without include_usage it does nothing."""
+    api = client.chat.completions if chat else client.completions
+    kwargs = dict(model=model_name, max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    kwargs.update(messages=MESSAGES) if chat else kwargs.update(prompt="The capital of France is")
+    prompt_len = chat_prompt_tokens(server, MESSAGES) if chat else \
+        httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France is"}).json()["count"]
+    chunks = list(api.create(**kwargs, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    body, last = chunks[:-1], chunks[-1]
+    assert all(c.usage is not None and c.usage.prompt_tokens == prompt_len for c in body)
+    counts = [c.usage.completion_tokens for c in body]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage.total_tokens == prompt_len + c.usage.completion_tokens for c in body)
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    plain = list(api.create(**kwargs, stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_stream_is_sse_ending_in_done(server, model_name):
     body = {"model": model_name, "messages": MESSAGES, "max_tokens": 4, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:

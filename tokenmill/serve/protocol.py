@@ -63,6 +63,8 @@ class ErrorResponse(BaseModel):
 # ---- shared request fields --------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="send a last chunk with the usage of the whole request")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk also carries "
+                                                            "the usage of its choice so far")
 
 
 class SamplingRequest(_Request):

@@ -367,11 +367,12 @@ class OpenAIServing:
 
     async def _chat_events(self, rid: str, created: int, streams: list[RequestStream], req: ChatCompletionRequest,
                            prompt_len: int) -> AsyncIterator[str]:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        include_usage, continuous = self._usage_options(req)
         exclude = None if include_usage else {"usage"}
 
-        def chunk(choice: ChatChunkChoice) -> str:
-            c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice])
+        def chunk(choice: ChatChunkChoice, outputs: list[CompletionOutput]) -> str:
+            c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice],
+                                    usage=self._usage(prompt_len, outputs) if continuous else None)
             return f"data: {c.model_dump_json(exclude=exclude)}\n\n"
 
         started = [False] * req.n
@@ -385,9 +386,10 @@ class OpenAIServing:
                         continue
                     if not started[c.index]:
                         started[c.index] = True
-                        yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                        yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content="")),
+                                    [])
                         if echo:
-                            yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=echo)))
+                            yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=echo)), [])
                     lps = None
                     if req.logprobs and c.delta_token_ids:
                         new = c.logprobs[sent_logprobs[c.index]:sent_logprobs[c.index] + len(c.delta_token_ids)]
@@ -395,7 +397,7 @@ class OpenAIServing:
                         lps = self._chat_logprobs(new)
                     if c.delta_text or c.finish_reason or lps is not None:
                         yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
-                                                    logprobs=lps, finish_reason=c.finish_reason))
+                                                    logprobs=lps, finish_reason=c.finish_reason), [c])
                     if c.finished:
                         finished[c.index] = c
             if include_usage:
@@ -478,7 +480,7 @@ class OpenAIServing:
 
     async def _completion_events(self, rid: str, created: int, streams: list[RequestStream], req: CompletionRequest,
                                  prompt_len: int, echo: list[str]) -> AsyncIterator[str]:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        include_usage, continuous = self._usage_options(req)
         exclude = None if include_usage else {"usage"}
         sent_logprobs: dict[int, int] = {}
         text_len: dict[int, int] = {}
@@ -505,7 +507,9 @@ class OpenAIServing:
                         echoed.add(index)
                         choice = CompletionChoice(index=index, text=prefix + c.delta_text, logprobs=lps,
                                                   finish_reason=c.finish_reason)
-                        body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+                        usage = self._usage(len(out.prompt_token_ids), [c]) if continuous else None
+                        body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
+                                                  usage=usage)
                         yield f"data: {body.model_dump_json(exclude=exclude)}\n\n"
                     if c.finished:
                         finished[index] = c
@@ -517,6 +521,12 @@ class OpenAIServing:
             self._abort(streams, "error")
             yield sse_error(self._request_error(e))
             yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _usage_options(req: SamplingRequest) -> tuple[bool, bool]:
+        """stream_options' include_usage, and vLLM's continuous_usage_stats (which takes effect with it)."""
+        include = req.stream_options is not None and req.stream_options.include_usage
+        return include, include and req.stream_options.continuous_usage_stats
 
     @staticmethod
     def _usage(prompt_len: int, outputs: list[CompletionOutput]) -> Usage:
