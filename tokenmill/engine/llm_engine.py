@@ -299,7 +299,7 @@ class LLMEngine:
             return False
         return not any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                        or p.logprobs is not None or s.request.prompt_logprobs_from is not None
-                       for s, p in ((s, s.request.sampling_params) for s in out.scheduled))
+                       for s in out.scheduled for p in (s.request.sampling_params,))
 
     def _read_back_in_flight(self) -> None:
         """Read back the launched step's tokens, put them in place of their placeholders and process them;
