@@ -11,7 +11,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # token id -> logprob, best first
-    rank: int | None = None  # 1 + how many tokens were more likely (given for prompt tokens, as vLLM does)
+    rank: int | None = None  # 1 + how many tokens were more likely (vLLM's)
 
 
 @dataclass

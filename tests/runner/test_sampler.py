@@ -149,6 +149,20 @@ def test_logprobs_are_log_softmax_with_top_k():
     assert entry.token_id == out.token_ids[0]
     assert math.isclose(entry.logprob, float(lp.max()), rel_tol=1e-5)
     assert list(entry.top) == lp.topk(3).indices.tolist()
+    assert entry.rank == 1
+
+
+def test_logprob_rank_of_a_sampled_token():
+    """vLLM's rank: 1 + how many tokens the model found more likely than the one drawn."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    sampler = make(vocab=5)
+    ranks = set()
+    for seed in range(40):
+        out = sampler(logits.clone(), [req(seed, temperature=5.0, seed=seed, logprobs=2)])
+        entry = out.logprobs[0]
+        assert entry.rank == entry.token_id + 1  # the logits fall with the id
+        ranks.add(entry.rank)
+    assert len(ranks) > 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

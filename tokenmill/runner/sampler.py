@@ -199,7 +199,8 @@ class Sampler:
             if k > 0:
                 vals, idx = row.topk(k)
                 top = dict(zip(idx.tolist(), vals.tolist()))
-            out[i] = Logprob(token_list[i], float(row[token_list[i]]), top)
+            chosen = row[token_list[i]]
+            out[i] = Logprob(token_list[i], float(chosen), top, int((row > chosen).sum()) + 1)
         return out
 
     @staticmethod
