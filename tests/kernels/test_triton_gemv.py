@@ -34,7 +34,8 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # cancels to a few percent of its terms' size measured 1.1e-3 on the H200. float32 activations take the exact
 # kernels by default.
 UNIT_TOL = {4: {**TOL, torch.float32: 1e-3}, 8: {**TOL, torch.float32: 2e-3}}
-SHAPES = [(1, 32), (37, 1000), (130, 4160), (4096, 14336), (16411, 520)]  # the last: INT4's wide-matrix tile
+# (4096, 4096): INT4's o-projection tile, loaded before the PDL wait; the last: INT4's wide-matrix tile
+SHAPES = [(1, 32), (37, 1000), (130, 4160), (4096, 14336), (4096, 4096), (16411, 520)]
 # The defaults, every dequantization, a split count given, splits computed, one and eight warps' worth of rows.
 CONFIGS = [None, GemvConfig(4, 256, 1, dequant="bits"), GemvConfig(32, 1024, 3, num_warps=8, dequant="cvt"),
            GemvConfig(128, 256, 0, num_warps=8), GemvConfig(64, 256, 2, dequant="unit"),

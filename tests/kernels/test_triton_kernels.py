@@ -241,6 +241,9 @@ DECODE_ROPE = [
     (4, 2000, 16, 28, 4, 128, BF16, 0),     # group of 7 heads, partitions merged
     (1, 257, 16, 32, 8, 128, BF16, 0),      # the new token alone in the last 256-token partition
     (1, 256, 16, 32, 8, 128, BF16, 0),      # ... the last token of the only one
+    (1, 65, 16, 32, 8, 128, BF16, 512),     # a short context split: the new token alone in the second 64 tokens
+    (1, 1100, 16, 32, 8, 128, BF16, 512),   # ... into 9 partitions of 128 tokens
+    (2, 130, 16, 32, 8, 128, F32, 512),     # ... float32's 32-token tiles
     (40, 1025, 16, 28, 4, 128, F32, 0),     # a grid too large to read before the wait: group of 7, float32
 ]
 

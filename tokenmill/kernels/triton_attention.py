@@ -23,7 +23,8 @@ _LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, head dim 128, GQA 4). Decode: longest partition in tokens (halved for small
 # batches, down to 256), tokens per loop step (fp32 inputs use 32), warps, pipeline stages; 1024/64/4/2 reads
 # 3.8-4.0 TB/s at 64 x 4096. Prefill: (element bytes, padded head dim) -> (query tile, key tile, warps, stages).
-DECODE_CFG = {"partition": 1024, "tile_n": 64, "num_warps": 4, "num_stages": 2, "early_pairs_per_sm": 1}
+DECODE_CFG = {"partition": 1024, "tile_n": 64, "num_warps": 4, "num_stages": 2, "early_pairs_per_sm": 1,
+              "short_parts": 16}
 # The block table's width changes from step to step; Triton would compile a kernel for each width that is 1, a
 # multiple of 16 or neither, seconds each, in the middle of a benchmark or a user's first requests.
 VARYING_ARGS = ("stride_bt", "table_cols")
@@ -92,13 +93,13 @@ def _kv_raw(k_cache_ptr, v_cache_ptr, table, t0, end, kv_head, offs_d, d_mask, t
         n_mask
 
 
-@triton.jit(do_not_specialize=VARYING_ARGS)
+@triton.jit(do_not_specialize=VARYING_ARGS + ("short_parts",))
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, counter_ptr,
                    seq_lens_ptr, block_tables_ptr, k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
                    scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-                   table_cols, num_heads, num_kv_heads, num_parts,
+                   table_cols, num_heads, num_kv_heads, num_parts, short_parts,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, TILE_N: tl.constexpr,
                    P_CHUNK: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, EARLY: tl.constexpr,
@@ -116,7 +117,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     is no prefix hit before the next step, KVCacheManager.begin_step): everything but q and the new token is
     read before the PDL wait (lengths, rotary row, table, the first K/V tile), while the QKV projection still
     finishes, and each next tile is loaded while the current one is summed. Small batches, where one program's
-    chain of dependent loads is the whole kernel's time."""
+    chain of dependent loads is the whole kernel's time: there a context is also cut into up to short_parts
+    partitions of whole tiles (never longer than PARTITION), so that a short one is read by several programs, one
+    tile each before their wait, instead of tile after tile by one."""
     pdl_release(PDL)
     if not EARLY:
         pdl_wait(PDL)
@@ -124,12 +127,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     # a context longer than the grid's partitions (than its block table) is cut, so that exactly cdiv(ctx,
-    # PARTITION) programs arrive at the merge (triton_arrive.py)
+    # part_len) programs arrive at the merge (triton_arrive.py; the grid has at least short_parts partitions)
     ctx = tl.minimum(tl.load(seq_lens_ptr + seq), num_parts * PARTITION)
-    start = part * PARTITION
+    if EARLY:
+        part_len = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(ctx, short_parts), TILE_N), 1) * TILE_N, PARTITION)
+    else:
+        part_len = PARTITION
+    start = part * part_len
     if (start >= ctx) & (part > 0):
         return
-    end = tl.minimum(start + PARTITION, ctx)
+    end = tl.minimum(start + part_len, ctx)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -193,7 +200,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
             v = _kv_tile(v_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    if ctx <= PARTITION:  # the whole context in this program: no partials, no merge
+    if ctx <= part_len:  # the whole context in this program: no partials, no merge
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -202,20 +209,20 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
         tl.store(part_out_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=g_mask[:, None])
-        if arrive_last(counter_ptr + seq * num_kv_heads + kv_head, tl.cdiv(ctx, PARTITION)):
+        if arrive_last(counter_ptr + seq * num_kv_heads + kv_head, tl.cdiv(ctx, part_len)):
             if EARLY:  # all heads at once: one round trip a chunk where latency is the kernel's time
                 offs_h = tl.arange(0, GROUP_P2)
                 group = kv_head * GROUP + offs_h
                 _merge_heads(part_out_ptr, part_m_ptr, part_l_ptr,
                              out_ptr + seq.to(tl.int64) * stride_ot + group[:, None] * stride_oh,
                              (seq * num_heads + group).to(tl.int64) * num_parts, offs_h < GROUP,
-                             tl.cdiv(ctx, PARTITION), GROUP_P2, HEAD_DIM, D_PAD, max(16 // GROUP_P2, 1))
+                             tl.cdiv(ctx, part_len), GROUP_P2, HEAD_DIM, D_PAD, max(16 // GROUP_P2, 1))
             else:  # a head at a time: fewer registers (sm_90: 96 a thread against 128), for batches that fill the GPU
                 for g in tl.static_range(GROUP):
                     head = kv_head * GROUP + g
                     _merge_partitions(part_out_ptr, part_m_ptr, part_l_ptr,
                                       out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh,
-                                      (seq * num_heads + head).to(tl.int64) * num_parts, tl.cdiv(ctx, PARTITION),
+                                      (seq * num_heads + head).to(tl.int64) * num_parts, tl.cdiv(ctx, part_len),
                                       HEAD_DIM, D_PAD, P_CHUNK)
 
 
@@ -396,7 +403,15 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Long partitions read best, but a small batch needs more of them to give every multiprocessor work.
     while partition > 256 and num_seqs * num_kv_heads * triton.cdiv(max_ctx, partition) < num_sms(q.device.index or 0):
         partition //= 2
-    num_parts = max(triton.cdiv(max_ctx, partition), 1)
+    # EARLY: a batch with at most early_pairs_per_sm (sequence, KV head) pairs a multiprocessor, which the
+    # latency of one program's dependent loads bounds (batch-1 INT8 decode, H200: 394.7 tokens/s against 390.2);
+    # its short contexts are cut into up to short_parts partitions, about one program a multiprocessor in all
+    # (batch-1 decode, H100, 2026-12-06: INT4 420.7 tokens/s against 414.9, bf16 188.0 against 186.9; fixed
+    # 64-token partitions lost on 3000-token contexts, 367.0 against 382.4, and at batch 8)
+    pairs = num_seqs * num_kv_heads
+    early = rope is not None and pairs <= DECODE_CFG["early_pairs_per_sm"] * num_sms(q.device.index or 0)
+    short_parts = min(DECODE_CFG["short_parts"], max(num_sms(q.device.index or 0) // pairs, 1)) if early else 1
+    num_parts = max(triton.cdiv(max_ctx, partition), short_parts, 1)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     tile_n = DECODE_CFG["tile_n"] if q.element_size() < 4 else 32
     one = num_parts == 1
@@ -410,16 +425,13 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_l = torch.empty_like(part_m)
         counter = counters(q.device, num_seqs * num_kv_heads)
     positions, k, v, cos_sin_cache, slot_mapping = rope or (seq_lens, q, q, q, seq_lens)  # unused without rope
-    # EARLY: a batch with at most early_pairs_per_sm (sequence, KV head) pairs a multiprocessor, which the
-    # latency of one program's dependent loads bounds (batch-1 INT8 decode, H200: 394.7 tokens/s against 390.2)
-    early = rope is not None and num_seqs * num_kv_heads <= DECODE_CFG["early_pairs_per_sm"] * num_sms(q.device.index or 0)
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
         q, k_cache, v_cache, out, part_out, part_m, part_l, counter, seq_lens, block_tables, k, v, positions,
         cos_sin_cache, slot_mapping, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0), block_tables.shape[1],
-        num_heads, num_kv_heads, num_parts,
+        num_heads, num_kv_heads, num_parts, short_parts,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, PARTITION=partition, TILE_N=tile_n,
         P_CHUNK=16,
