@@ -406,8 +406,8 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # EARLY: a batch with at most early_pairs_per_sm (sequence, KV head) pairs a multiprocessor, which the
     # latency of one program's dependent loads bounds (batch-1 INT8 decode, H200: 394.7 tokens/s against 390.2);
     # its short contexts are cut into up to short_parts partitions, about one program a multiprocessor in all
-    # (batch-1 decode, H100, 2026-12-06: INT4 420.7 tokens/s against 414.9, bf16 188.0 against 186.9; fixed
-    # 64-token partitions lost on 3000-token contexts, 367.0 against 382.4, and at batch 8)
+    # (batch-1 decode, H200, 2026-12-06: INT4 467.1 tokens/s against 458.3, INT8 412.2 against 404.5, bf16 252.0
+    # against 249.9; fixed 64-token partitions lost on an H100 at 3000-token contexts and at batch 8)
     pairs = num_seqs * num_kv_heads
     early = rope is not None and pairs <= DECODE_CFG["early_pairs_per_sm"] * num_sms(q.device.index or 0)
     short_parts = min(DECODE_CFG["short_parts"], max(num_sms(q.device.index or 0) // pairs, 1)) if early else 1

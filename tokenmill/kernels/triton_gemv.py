@@ -94,9 +94,9 @@ INT4_CFG = GemvConfig(256, 128, num_warps=8, dequant="unit", programs_per_sm=2, 
 INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_DEEP_CFG = GemvConfig(128, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, ahead=2)
 # As many outputs as inputs or fewer (an o projection): INT4_CFG's split leaves each program two sub-tiles, and
-# both load before the PDL wait, while the attention before it runs (batch-1 INT4 decode, H100, 2026-12-06:
-# 428.2 tokens/s against 420.7 with the decode attention's short-context split, 415.9 against 413.3 without;
-# qkv loaded the same way lost, 411.4).
+# both load before the PDL wait, while the attention before it runs (batch-1 INT4 decode, 2026-12-06, with the
+# decode attention's short-context split: H200 475.2 tokens/s against 467.1, H100 428.2 against 420.7; qkv
+# loaded the same way lost on the H100, 411.4 against 413.3).
 INT4_SQUARE_CFG = GemvConfig(256, 128, num_warps=8, dequant="unit", programs_per_sm=2, chunk=16, ahead=2,
                              early=True)
 WIDE_N = 16384
