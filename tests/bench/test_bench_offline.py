@@ -12,6 +12,7 @@ import torch
 from tokenmill.bench import sweep
 from tokenmill.bench.ablation import recompute_generate
 from tokenmill.bench.common import build_engine, generate, weight_bytes
+from tokenmill.bench.parts import PART_NAMES, skip_parts
 from tokenmill.bench.sweep import parse_sweep
 from tokenmill.bench.throughput import step_breakdown, triton_compiles
 from tokenmill.bench.workloads import nano_vllm_workload
@@ -262,7 +263,35 @@ SMALL = ["--max-input-len", "8", "--max-output-len", "4"]   # keeps a run short 
     (["latency", "--num-gpu-blocks-override", "-1"], "num_gpu_blocks_override must be >= 2"),     # RuntimeError
     (["latency", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),         # "KV budget holds 1"
     (["latency", "--max-model-len", "-1"], "max_model_len must be an integer >= 1"),      # "KV budget holds 1"
+    (["parts", "--rounds", "0"], "--rounds must be at least 1, got 0"),                   # an empty median
+    (["parts", "--skip", "none", "o+mlp"], r"--skip o\+mlp: unknown part\(s\) mlp; known: none, attention"),
 ])
 def test_bad_counts_are_refused_before_an_engine_is_built(argv, match):
     with pytest.raises(ValueError, match=match):
         main(["bench", *argv, *TINY])
+
+
+def test_parts(tmp_path):
+    """Every variant is timed; skipping a part changes the model's text and leaving the block restores it."""
+    result = run_bench(tmp_path, "parts", "--output-len", "4", "--num-iters", "1", "--rounds", "1", "--skip", "none",
+                       "o", "attention+norms+silu_and_mul", "qkv+gate_up+down")
+    rows = result["results"]
+    assert [r["skipped"] for r in rows] == ["none", "o", "attention+norms+silu_and_mul", "qkv+gate_up+down"]
+    for row in rows:
+        assert_positive(row, "decode_tokens_per_s", "decode_ms_per_token")
+        assert len(row["decode_tokens_per_s_all"]) == 1
+    assert rows[0]["us_per_layer_saved"] == 0
+
+
+def test_skip_parts_changes_the_text_and_restores_it():
+    engine = build_engine(EngineArgs(load_format="dummy", model_preset="tiny-llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    text = lambda: generate(engine, [[5, 9, 13, 7]], params)[0].outputs[0].token_ids  # noqa: E731
+    before = text()
+    for part in PART_NAMES:
+        with skip_parts(engine.runner.model, [part]):
+            assert text() != before, part
+        assert text() == before, part
+    with pytest.raises(ValueError, match="unknown part.*attn.*known: attention"):
+        with skip_parts(engine.runner.model, ["attn"]):
+            pass

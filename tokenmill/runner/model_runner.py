@@ -140,6 +140,13 @@ class ModelRunner:
         if device.type == "cuda" and not args.enforce_eager:
             self.graphs = CUDAGraphRunner(self, args.max_num_seqs)
 
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again, after the model's code has changed (`bench parts` skips parts of it);
+        eager runners have none."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = CUDAGraphRunner(self, self.args.max_num_seqs)
+
     # ---- memory -----------------------------------------------------------------------------
     def _num_blocks(self) -> int:
         per_block = (kv_bytes_per_token(self.config, self.kv_dtype) + self.extra_kv_bytes_per_token) * self.block_size
