@@ -14,7 +14,7 @@ import torch
 from tokenmill.config import EngineArgs, ModelConfig
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.kernels import get_ops
-from tokenmill.distributed import all_reduce_min, broadcast_object, broadcast_tensor, tp_size
+from tokenmill.distributed import all_reduce_min, broadcast_object, broadcast_tensor, tp_rank, tp_size
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, forward_context
 from tokenmill.layers.linear import kv_heads_per_rank
 from tokenmill.outputs import Logprob
@@ -393,18 +393,21 @@ class ModelRunner:
         return self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows]), prompt
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
-                         k: int) -> PromptLogprobTensors:
+                         k: int) -> PromptLogprobTensors | None:
         """The raw log-softmax (vLLM's default logprobs mode) at the logprob rows, max_num_seqs rows at a time:
-        the memory profile reserved logits for that many rows, and a prompt's rows may be thousands."""
+        the memory profile reserved logits for that many rows, and a prompt's rows may be thousands. Other
+        tensor-parallel ranks than 0 only take part in the LM head's gather (None): rank 0 alone reports."""
         parts = []
         chunk = self.args.max_num_seqs
         for start in range(0, len(rows), chunk):
             logits = self.model.compute_logits(hidden[rows[start:start + chunk]])[:, :self.config.vocab_size]
+            if tp_rank() != 0:
+                continue
             lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
             target = lp.gather(1, targets[start:start + chunk, None])
             top = lp.topk(k, dim=-1)
             parts.append((target[:, 0], (lp > target).sum(-1) + 1, top.indices, top.values))
-        return PromptLogprobTensors(*(torch.cat(t).cpu() for t in zip(*parts)))
+        return PromptLogprobTensors(*(torch.cat(t).cpu() for t in zip(*parts))) if parts else None
 
     def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """On the CPU the arrays themselves; on a GPU, one copy through the staging buffer."""
