@@ -200,8 +200,9 @@ class ModelRunner:
 
     def _placeholder_prefill(self, prompt_lens: list[int], logits: bool = False) -> None:
         """Prompts of these lengths through the model as one step of placeholder tokens (slot -1: nothing is
-        written to the cache); logits: also the LM head over as many rows as a step can sample, and their
-        float32 log-softmax (prompt logprobs take it over that many rows at a time)."""
+        written to the cache); logits: also the LM head over as many rows as a step can sample, their float32
+        log-softmax and its comparison with one column (prompt logprobs take both, for ranks, over that many rows
+        at a time)."""
         n = sum(prompt_lens)
         lens = torch.tensor(prompt_lens, dtype=torch.int32)
         meta = AttentionMetadata(
@@ -217,7 +218,8 @@ class ModelRunner:
             hidden = self.model(ids, positions)
             if logits:
                 rows = self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
-                torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+                lp = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+                (lp > lp[:, :1]).sum(-1)
 
     @torch.inference_mode()
     def _compile_prefill_tiles(self) -> None:
