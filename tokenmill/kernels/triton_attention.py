@@ -400,8 +400,9 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = num_heads // num_kv_heads
     max_ctx = block_tables.shape[1] * block_size
     partition = DECODE_CFG["partition"]
+    sms = num_sms(q.device.index or 0)
     # Long partitions read best, but a small batch needs more of them to give every multiprocessor work.
-    while partition > 256 and num_seqs * num_kv_heads * triton.cdiv(max_ctx, partition) < num_sms(q.device.index or 0):
+    while partition > 256 and num_seqs * num_kv_heads * triton.cdiv(max_ctx, partition) < sms:
         partition //= 2
     # EARLY: a batch with at most early_pairs_per_sm (sequence, KV head) pairs a multiprocessor, which the
     # latency of one program's dependent loads bounds (batch-1 INT8 decode, H200: 394.7 tokens/s against 390.2);
@@ -409,8 +410,8 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # (batch-1 decode, H200, 2026-12-06: INT4 467.1 tokens/s against 458.3, INT8 412.2 against 404.5, bf16 252.0
     # against 249.9; fixed 64-token partitions lost on an H100 at 3000-token contexts and at batch 8)
     pairs = num_seqs * num_kv_heads
-    early = rope is not None and pairs <= DECODE_CFG["early_pairs_per_sm"] * num_sms(q.device.index or 0)
-    short_parts = min(DECODE_CFG["short_parts"], max(num_sms(q.device.index or 0) // pairs, 1)) if early else 1
+    early = rope is not None and pairs <= DECODE_CFG["early_pairs_per_sm"] * sms
+    short_parts = min(DECODE_CFG["short_parts"], max(sms // pairs, 1)) if early else 1
     num_parts = max(triton.cdiv(max_ctx, partition), short_parts, 1)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     tile_n = DECODE_CFG["tile_n"] if q.element_size() < 4 else 32

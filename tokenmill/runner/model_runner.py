@@ -365,8 +365,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelInput) -> tuple[torch.Tensor | None, PromptLogprobTensors | None]:
         """The forward of one flat batch: logits of its sample rows (None if there are none), and the prompt
-        logprobs of its logprob rows (None if there are none). Every tensor-parallel rank computes both: the
-        LM head gathers its vocabulary shards across them."""
+        logprobs of its logprob rows (None if there are none, and on tensor-parallel ranks other than 0, which
+        take part only in the LM head's gather of its vocabulary shards)."""
         num_seqs = len(batch.seq_lens)
         scored: list[torch.Tensor] = []  # the logprob rows and their targets on the device
         if (self.graphs is not None and batch.max_query_len == 1 and batch.logprob_rows is None
@@ -400,10 +400,10 @@ class ModelRunner:
         the memory profile reserved logits for that many rows, and a prompt's rows may be thousands. Other
         tensor-parallel ranks than 0 only take part in the LM head's gather (None): rank 0 alone reports."""
         parts = []
-        chunk = self.args.max_num_seqs
+        chunk, reports = self.args.max_num_seqs, tp_rank() == 0
         for start in range(0, len(rows), chunk):
             logits = self.model.compute_logits(hidden[rows[start:start + chunk]])[:, :self.config.vocab_size]
-            if tp_rank() != 0:
+            if not reports:
                 continue
             lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
             target = lp.gather(1, targets[start:start + chunk, None])
