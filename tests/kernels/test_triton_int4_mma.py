@@ -1,8 +1,9 @@
 """The tensor-core INT4 decode matmul (triton_int4_mma.py) against a float64 reference (skipped without CUDA):
 1 to 16 rows (one and two column tiles), groups 32/64/128, K not a multiple of the group or of a packing block,
 N not a multiple of the row tile, bias and residual, with and without a K split, weights loaded to registers or
-(sm_90+) copied by TMA through a ring in shared memory. Outputs come from torch.empty, NaN-filled in
-deterministic mode, so an output the kernel never writes fails."""
+(sm_90+) copied by TMA through a ring in shared memory; SiLU·mul in the store against the product and the
+SiLU·mul kernel. Outputs come from torch.empty, NaN-filled in deterministic mode, so an output the kernel never
+writes fails."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,8 @@ pytest.importorskip("triton")
 
 from paged_cases import rel_err
 
-from tokenmill.kernels import quant_ref
+from tokenmill.kernels import quant_ref, torch_ref
+from tokenmill.kernels.triton_activation import silu_and_mul
 from tokenmill.kernels.triton_int4_mma import ROW_WIDE_TMA_CFG, MmaGemvConfig, has_tma, int4_mma_gemv, supports
 from tokenmill.kernels.triton_quant import quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
@@ -66,6 +68,46 @@ def test_tma_ring_equals_register_loads(m: int, n: int, k: int, fmt: str) -> Non
         args = (x, qw.qweight, qw.scales, qw.mins, k, f.group(k), None)
         assert torch.equal(int4_mma_gemv(*args, cfg), int4_mma_gemv(*args, MmaGemvConfig(
             tiles=cfg.tiles, num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, split_k=cfg.split_k)))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("half,k,fmt", [(16, 128, "int4-g32"), (37, 1000, "int4-g64"), (130, 4160, "int4-g128"),
+                                        (1536, 576, "int4-g32"), (14336, 4096, "int4-g128")])
+def test_silu_and_mul_out(m: int, half: int, k: int, fmt: str) -> None:
+    """SiLU·mul in the store (gate rows and the up rows `half` further in one program) writes the very bits of the
+    product followed by the SiLU·mul kernel, for every config (splits, tiles, the TMA ring's two copies a
+    stage), with and without a bias; and stays within bf16 rounding of float64."""
+    f = QuantFormat.parse(fmt)
+    gen = torch.Generator(device="cuda").manual_seed(half + k + m)
+    qw = quantize(torch.randn(2 * half, k, device="cuda", generator=gen) * 0.05, f)
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    bias = torch.randn(2 * half, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (x, qw.qweight, qw.scales, qw.mins, k, f.group(k))
+    for b in (None, bias):
+        want = torch_ref.silu_and_mul(quant_ref.quant_linear(x.double(), *args[1:], None if b is None else b.double()))
+        for cfg in CONFIGS:
+            got = int4_mma_gemv(*args, b, cfg, silu_and_mul_out=True)
+            assert got.shape == (m, half) and got.dtype == torch.bfloat16
+            assert torch.equal(got, silu_and_mul(int4_mma_gemv(*args, b, cfg))), cfg
+            assert rel_err(got, want) < 2e-2, cfg
+
+
+def test_silu_and_mul_out_routes() -> None:
+    """quant_linear's silu_and_mul_out: the fused store where the tensor-core kernel takes the call, the SiLU·mul
+    kernel after the GEMV (a row of a small matrix) or the tile kernel (17 rows) elsewhere; the same values as
+    the product then the kernel. A residual is refused."""
+    f = QuantFormat.parse("int4-g128")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for m, half, k in ((1, 14336, 4096), (4, 512, 1024), (1, 96, 256), (17, 512, 1024)):
+        qw = quantize(torch.randn(2 * half, k, device="cuda", generator=gen) * 0.05, f)
+        x = torch.randn(m, 1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        args = (qw.qweight, qw.scales, qw.mins, k, 128, None)
+        got = quant_linear(x, *args, silu_and_mul_out=True)
+        assert got.shape == (m, 1, half)
+        assert torch.equal(got, silu_and_mul(quant_linear(x, *args))), (m, half, k)
+    with pytest.raises(ValueError, match="no residual"):
+        quant_linear(x, *args, residual=torch.zeros(m, 1, 2 * half, device="cuda", dtype=torch.bfloat16),
+                     silu_and_mul_out=True)
 
 
 def test_wide_row_default() -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels import torch_ref
 from tokenmill.kernels.quant_ref import quant_linear
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.quant.formats import QuantFormat, quantize
@@ -138,3 +139,21 @@ def test_fp8_layer_shards_and_forward() -> None:
     assert torch.equal(a(x), quant_linear(x, whole.qweight, whole.scales, None, k, k, None))
     with pytest.raises(ValueError, match="expects fp8"):
         a.load_shard("weight", quantize(ws[0], QuantFormat.parse("int8")), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+def test_silu_and_mul_of_gate_up(fmt: str, dtype: torch.dtype) -> None:
+    """A merged gate/up layer's silu_and_mul (the twin in float32, torch's packed CPU kernel in bf16) is SiLU·mul
+    of its forward, bias included, as the float layer's is; the model's MLP calls it."""
+    f = QuantFormat.parse(fmt)
+    gen = torch.Generator().manual_seed(7)
+    lin = MergedLinear(64, [96, 96], bias=True).to(dtype)
+    lin.weight.data.copy_(torch.randn(192, 64, generator=gen))
+    lin.bias.data.copy_(torch.randn(192, generator=gen))
+    q = to_quant_linear(lin, f, lin.weight.data)
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    got = q.silu_and_mul(x)
+    assert got.shape == (3, 96) and got.dtype == dtype
+    assert torch.equal(got, torch_ref.silu_and_mul(q(x)))
+    assert torch.equal(lin.silu_and_mul(x), torch_ref.silu_and_mul(lin(x)))

@@ -50,16 +50,19 @@ def _patches(layer: nn.Module, part: str, zeros: _Zeros) -> list[tuple[Any, str,
     if part == "norms":
         return [(norm, "for_projection", lambda h: (h, None))
                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if part == "silu_and_mul":
-        if mlp.act is None:
+    if part == "silu_and_mul":  # where gate/up's kernel stores SiLU·mul (INT4 decode), its plain product runs
+        if mlp.act_in_down:
             raise ValueError("SiLU·mul is folded into this model's down projection; there is no kernel to skip")
-        return [(mlp.act, "forward", lambda gate_up: gate_up[..., :gate_up.shape[-1] // 2])]
+        gate_up = mlp.gate_up_proj
+        return [(gate_up, "silu_and_mul",
+                 lambda x, rms_eps=None: gate_up(x, rms_eps=rms_eps)[..., :gate_up.out_features // 2])]
     if part in ("o", "down"):
         proj = attn.o_proj if part == "o" else mlp.down_proj
         return [(proj, "forward", lambda x, residual=None, **kw: residual)]
     proj = attn.qkv_proj if part == "qkv" else mlp.gate_up_proj
     width = proj.out_features
-    return [(proj, "forward", lambda x, rms_eps=None: zeros(x.shape[0], width))]
+    return [(proj, "forward", lambda x, rms_eps=None: zeros(x.shape[0], width)),
+            (proj, "silu_and_mul", lambda x, rms_eps=None: zeros(x.shape[0], width // 2))]
 
 
 @contextlib.contextmanager

@@ -49,10 +49,19 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None, *,
                  residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                 rms_norm: tuple[torch.Tensor, float] | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+                 rms_norm: tuple[torch.Tensor, float] | None = None, silu_and_mul: bool = False,
+                 silu_and_mul_out: bool = False) -> torch.Tensor:
     """x @ W.T + bias (+ residual) for a packed INT8 (int8 qweight) or INT4 (uint8 qweight) weight, in out_dtype
     (default x's); an FP8 weight (float8_e4m3fn) quantizes x too (fp8_linear), after the RMSNorm or SiLU·mul
-    that produced it where those are folded in (rms_norm, silu_and_mul: FP8 only)."""
+    that produced it where those are folded in (rms_norm, silu_and_mul: FP8 only). silu_and_mul_out: W is
+    cat(gate, up) and the result silu(gate) * up of the output, rounded to out_dtype first (what the Triton
+    kernels store)."""
+    if silu_and_mul_out:
+        if residual is not None:
+            raise ValueError("SiLU·mul of a projection's output takes no residual")
+        gate, up = quant_linear(x, qweight, scales, mins, in_features, group, bias, out_dtype=out_dtype,
+                                rms_norm=rms_norm, silu_and_mul=silu_and_mul).chunk(2, dim=-1)
+        return F.silu(gate) * up  # torch_ref.silu_and_mul, which imports this module
     if qweight.dtype == torch.float8_e4m3fn:
         y = fp8_linear(x, qweight, scales, rms_norm, silu_and_mul)
         y = y if bias is None else y + bias.float()

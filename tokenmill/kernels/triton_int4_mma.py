@@ -269,6 +269,20 @@ def _store_rows(val, rows, col, row_ok, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
 
 
 @gluon.jit
+def _store_gated(g, u, rows_g, rows_h, col, ok, b_ptr, out_ptr, M, HALF, HAS_BIAS: gl.constexpr):
+    """silu(gate) * up of one fragment register pair (gate rows_g, up rows_h = HALF + rows_g) to out [M, HALF],
+    computed as the SiLU·mul kernel (triton_activation.py) computes it from the product's output: gate and up
+    rounded to out's dtype first, so the fused store writes the very values of the two kernels."""
+    if HAS_BIAS:
+        g += gl.load(b_ptr + rows_g, mask=ok, other=0.0).to(gl.float32)
+        u += gl.load(b_ptr + rows_h, mask=ok, other=0.0).to(gl.float32)
+    g = g.to(out_ptr.dtype.element_ty).to(gl.float32)
+    u = u.to(out_ptr.dtype.element_ty).to(gl.float32)
+    h = g * (1 / (1 + gl.exp(-g))) * u
+    gl.store(out_ptr + col * HALF + rows_g, h.to(out_ptr.dtype.element_ty), mask=ok & (col < M))
+
+
+@gluon.jit
 def _merged(val, rows, col, row_ok, part_ptr, M, N, splits):
     """The sum of every split's partials of one fragment register, in split order."""
     ok = row_ok & (col < M)
@@ -307,54 +321,81 @@ def _x_words(x_ptr, M, stride_x, T: gl.constexpr, COLS: gl.constexpr, WPT: gl.co
 
 
 @gluon.jit
-def _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N,
+def _store_all(p0, p1, p2, p3, rows_g, rows_h, col, row_ok_g, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
+               HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, PAIR: gl.constexpr, PARTIAL: gl.constexpr):
+    """_store_rows of every fragment register: rows g (p0, p1) and g + 8 (p2, p3), batch columns col (p0, p2) and
+    col + 1 (p1, p3, with PAIR)."""
+    _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, PARTIAL)
+    _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, PARTIAL)
+    if PAIR:
+        _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                    PARTIAL)
+        _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
+                    PARTIAL)
+
+
+@gluon.jit
+def _store_final(p0, p1, p2, p3, rows_g, rows_h, col, row_ok_g, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
+                 HALF, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, PAIR: gl.constexpr,
+                 GATED: gl.constexpr):
+    """The results of rows g (p0, p1) and g + 8 (p2, p3) to out; GATED: silu(gate) * up of the pairs."""
+    if GATED:
+        _store_gated(p0, p2, rows_g, rows_h, col, row_ok_g, b_ptr, out_ptr, M, HALF, HAS_BIAS)
+        if PAIR:
+            _store_gated(p1, p3, rows_g, rows_h, col + 1, row_ok_g, b_ptr, out_ptr, M, HALF, HAS_BIAS)
+    else:
+        _store_all(p0, p1, p2, p3, rows_g, rows_h, col, row_ok_g, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
+                   HAS_BIAS, HAS_RESIDUAL, PAIR, False)
+
+
+@gluon.jit
+def _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HALF,
             HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, SPLIT: gl.constexpr, COLS: gl.constexpr,
-            PAIR: gl.constexpr, LP: gl.constexpr):
+            PAIR: gl.constexpr, GATED: gl.constexpr, LP: gl.constexpr):
     """Store the fragment registers (rows g: p0, p1; rows g + 8: p2, p3), or this split's partials; the last
-    split to arrive adds all partials in split order."""
+    split to arrive adds all partials in split order. GATED: rows g are gate rows (below HALF), rows g + 8 the
+    up rows of the same outputs."""
     # fragment registers c0 and c2 hold batch column col, c1 and c3 col + 1, of column tile c
     col = gl.expand_dims((lane % 4 * 2)[:, None], 2)
     col = col + gl.expand_dims(gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(0, LP))),
                                               0), 0) * 8
     rows_g = gl.expand_dims(rows_g, 2)
     rows_h = gl.expand_dims(rows_h, 2)
-    row_ok_g = rows_g < N
-    row_ok_h = rows_h < N
-    _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
-    _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL, SPLIT)
-    if PAIR:
-        _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                    SPLIT)
-        _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                    SPLIT)
-    if SPLIT:  # noqa: SIM102 (a constexpr: without a split there is no counter to touch)
+    if GATED:
+        row_ok_g = rows_g < HALF
+        row_ok_h = row_ok_g
+    else:
+        row_ok_g = rows_g < N
+        row_ok_h = rows_h < N
+    if SPLIT:
+        _store_all(p0, p1, p2, p3, rows_g, rows_h, col, row_ok_g, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
+                   HAS_BIAS, HAS_RESIDUAL, PAIR, True)
         if _arrive_last(counter_ptr + gl.program_id(0), gl.num_programs(1)):
             splits = gl.num_programs(1)
             p0 = _merged(p0, rows_g, col, row_ok_g, part_ptr, M, N, splits)
             p2 = _merged(p2, rows_h, col, row_ok_h, part_ptr, M, N, splits)
-            _store_rows(p0, rows_g, col, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                        False)
-            _store_rows(p2, rows_h, col, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS, HAS_RESIDUAL,
-                        False)
             if PAIR:
                 p1 = _merged(p1, rows_g, col + 1, row_ok_g, part_ptr, M, N, splits)
                 p3 = _merged(p3, rows_h, col + 1, row_ok_h, part_ptr, M, N, splits)
-                _store_rows(p1, rows_g, col + 1, row_ok_g, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
-                            HAS_RESIDUAL, False)
-                _store_rows(p3, rows_h, col + 1, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N, HAS_BIAS,
-                            HAS_RESIDUAL, False)
+            _store_final(p0, p1, p2, p3, rows_g, rows_h, col, row_ok_g, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr,
+                         M, N, HALF, HAS_BIAS, HAS_RESIDUAL, PAIR, GATED)
+    else:
+        _store_final(p0, p1, p2, p3, rows_g, rows_h, col, row_ok_g, row_ok_h, b_ptr, r_ptr, out_ptr, part_ptr, M, N,
+                     HALF, HAS_BIAS, HAS_RESIDUAL, PAIR, GATED)
 
 
 @gluon.jit
 def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
-                     k_per_split, stride_w, stride_x, stride_sn,
+                     k_per_split, stride_w, stride_x, stride_sn, HALF,
                      GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                      SPLIT: gl.constexpr, TILES: gl.constexpr, COLS: gl.constexpr, WARPS: gl.constexpr,
-                     PAIR: gl.constexpr, PDL: gl.constexpr):
+                     PAIR: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr):
     """x_ptr: x as 32-bit words (bf16 pairs), stride_x words a row; w_ptr: the packed weight as 32-bit words,
     stride_w a row. Program (i, j): rows [i BLOCK_N, (i + 1) BLOCK_N), inputs [j k_per_split, (j + 1) k_per_split),
     batch rows in COLS column tiles of 8 (each A fragment is multiplied by each). Weights are loaded into
-    registers one span ahead."""
+    registers one span ahead. GATED (W = cat(gate, up), HALF rows each): program i takes gate rows
+    [i BLOCK_N / 2, (i + 1) BLOCK_N / 2) as each 16-row tile's rows g and the up rows HALF further as its rows
+    g + 8, so a thread holds both halves of its outputs."""
     WPT: gl.constexpr = GROUP // 32
     L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     LA: gl.constexpr = gl.SliceLayout(2, L4)  # [threads, tiles, words]: A
@@ -369,8 +410,12 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
     tid = gl.arange(0, T, layout=gl.SliceLayout(1, LS))
     lane = tid % 32
     tile = gl.arange(0, TILES, layout=gl.SliceLayout(0, LS))
-    rows_g = (gl.program_id(0) * BLOCK_N + tid // 32 * (16 * TILES) + lane // 4)[:, None] + tile[None, :] * 16
-    rows_h = rows_g + 8
+    if GATED:
+        rows_g = (gl.program_id(0) * (BLOCK_N // 2) + tid // 32 * (8 * TILES) + lane // 4)[:, None] + tile[None, :] * 8
+        rows_h = rows_g + HALF
+    else:
+        rows_g = (gl.program_id(0) * BLOCK_N + tid // 32 * (16 * TILES) + lane // 4)[:, None] + tile[None, :] * 16
+        rows_h = rows_g + 8
     load_g, load_h, s_rows_g, s_rows_h, m_rows_g, m_rows_h = _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn)
     # this thread's words of a row: [t WPT, (t + 1) WPT) of each span's
     word = gl.arange(0, WPT, layout=gl.SliceLayout(0, gl.SliceLayout(0, LA)))
@@ -399,14 +444,30 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr
         p0, p1, p2, p3 = _span_mma(span, p0, p1, p2, p3, LB, PAIR)
     if PDL:
         gdc_launch_dependents()
-    _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HAS_BIAS,
-            HAS_RESIDUAL, SPLIT, COLS, PAIR, LP)
+    _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HALF,
+            HAS_BIAS, HAS_RESIDUAL, SPLIT, COLS, PAIR, GATED, LP)
 
 
 @gluon.jit
-def _ring_span(w_desc, ring, bars, i, n_spans, row0, col0, T: gl.constexpr, TILES: gl.constexpr,
+def _ring_copy(w_desc, ring, bars, stage, span, row0, row_h, col0, pred, SPAN_WORDS: gl.constexpr,
+               BLOCK_N: gl.constexpr, GATED: gl.constexpr):
+    """Copy a span's packed words into a stage of the TMA ring: rows [row0, row0 + BLOCK_N), or GATED, the gate
+    rows from row0 into the stage's first half and the up rows from row_h into its second."""
+    mbarrier.expect(bars.index(stage), BLOCK_N * SPAN_WORDS * 4, pred=pred)
+    col = col0 + span * SPAN_WORDS
+    if GATED:
+        tma.async_copy_global_to_shared(w_desc, [row0, col], bars.index(stage),
+                                        ring.index(stage).slice(0, BLOCK_N // 2), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [row_h, col], bars.index(stage),
+                                        ring.index(stage).slice(BLOCK_N // 2, BLOCK_N // 2), pred=pred)
+    else:
+        tma.async_copy_global_to_shared(w_desc, [row0, col], bars.index(stage), ring.index(stage), pred=pred)
+
+
+@gluon.jit
+def _ring_span(w_desc, ring, bars, i, n_spans, row0, row_h, col0, T: gl.constexpr, TILES: gl.constexpr,
                WPT: gl.constexpr, STAGES: gl.constexpr, SPAN_WORDS: gl.constexpr, BLOCK_N: gl.constexpr,
-               LA: gl.constexpr, FLAT: gl.constexpr):
+               LA: gl.constexpr, FLAT: gl.constexpr, GATED: gl.constexpr):
     """Span i's packed words of rows g and g + 8 from its stage of the TMA ring, which is then refilled with span
     i + STAGES (where there is one)."""
     stage = i % STAGES
@@ -416,19 +477,18 @@ def _ring_span(w_desc, ring, bars, i, n_spans, row0, col0, T: gl.constexpr, TILE
     wh = words.slice(BLOCK_N // 2, BLOCK_N // 2)._reinterpret(gl.int32, [TILES, T, WPT], FLAT).permute(
         [1, 0, 2]).load(LA)
     gl.thread_barrier()  # every thread has read the stage: the copy below may overwrite it
-    refill = i + STAGES < n_spans
-    mbarrier.expect(bars.index(stage), BLOCK_N * SPAN_WORDS * 4, pred=refill)
-    tma.async_copy_global_to_shared(w_desc, [row0, col0 + (i + STAGES) * SPAN_WORDS], bars.index(stage),
-                                    ring.index(stage), pred=refill)
+    _ring_copy(w_desc, ring, bars, stage, i + STAGES, row0, row_h, col0, i + STAGES < n_spans, SPAN_WORDS, BLOCK_N,
+               GATED)
     return wg, wh
 
 
 @gluon.jit
 def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
-                         k_per_split, stride_x, stride_sn,
+                         k_per_split, stride_x, stride_sn, HALF,
                          GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr,
                          HAS_RESIDUAL: gl.constexpr, SPLIT: gl.constexpr, TILES: gl.constexpr, COLS: gl.constexpr,
-                         WARPS: gl.constexpr, PAIR: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                         WARPS: gl.constexpr, PAIR: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+                         PDL: gl.constexpr):
     """_int4_mma_kernel with the weights copied by TMA into a ring of STAGES spans in shared memory: the copies
     in flight hold no registers. w_desc: the packed weight as 32-bit words, [BLOCK_N, GROUP / 8] a block. A
     stage's rows map to threads as [rows g or g + 8, tiles, threads, words], so thread (w, l) of tile i reads
@@ -436,7 +496,8 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     its own for its x, scales and mins: one span's are loaded while the other is multiplied. With one span
     carried into the next step, ptxas copied the loads into the loop's registers at the step's end and waited
     for them there (Nsight Compute: 14.5% of stall samples); two spans take 154 registers against 116, and gate/up
-    runs in 24.6 us against 26.7 (H200, docs/BENCHMARKS.md)."""
+    runs in 24.6 us against 26.7 (H200, docs/BENCHMARKS.md). GATED (_int4_mma_kernel): a stage's first half
+    holds gate rows, its second the up rows HALF further, w_desc's block [BLOCK_N / 2, GROUP / 8]."""
     WPT: gl.constexpr = GROUP // 32
     L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     LA: gl.constexpr = gl.SliceLayout(2, L4)
@@ -452,9 +513,16 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     tid = gl.arange(0, T, layout=gl.SliceLayout(1, LS))
     lane = tid % 32
     tile = gl.arange(0, TILES, layout=gl.SliceLayout(0, LS))
-    row0 = gl.program_id(0) * BLOCK_N
-    rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
-    rows_h = rows_g + 8 * WARPS * TILES
+    if GATED:
+        row0 = gl.program_id(0) * (BLOCK_N // 2)
+        row_h = row0 + HALF
+        rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
+        rows_h = rows_g + HALF
+    else:
+        row0 = gl.program_id(0) * BLOCK_N
+        row_h = row0
+        rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
+        rows_h = rows_g + 8 * WARPS * TILES
     _, _, s_rows_g, s_rows_h, m_rows_g, m_rows_h = _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn)
     x_run, xw_k = _x_words(x_ptr, M, stride_x, T, COLS, WPT, LX)
 
@@ -468,9 +536,7 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     n_spans = (k_end - k_lo + GROUP - 1) // GROUP
     col0 = k_lo // 8
     for i in gl.static_range(STAGES):
-        mbarrier.expect(bars.index(i), BLOCK_N * SPAN_WORDS * 4, pred=i < n_spans)
-        tma.async_copy_global_to_shared(w_desc, [row0, col0 + i * SPAN_WORDS], bars.index(i), ring.index(i),
-                                        pred=i < n_spans)
+        _ring_copy(w_desc, ring, bars, i, i, row0, row_h, col0, i < n_spans, SPAN_WORDS, BLOCK_N, GATED)
     p0 = gl.zeros([T, TILES, COLS], gl.float32, LP)
     p1 = gl.zeros([T, TILES, COLS], gl.float32, LP)
     p2 = gl.zeros([T, TILES, COLS], gl.float32, LP)
@@ -482,19 +548,19 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     for i in range(0, n_spans, 2):  # two spans a step: each one's side loads fly while the other is multiplied
         side_b = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k,
                             gl.minimum(k_lo + (i + 1) * GROUP, last), K, GROUP, EVEN_K)
-        wg, wh = _ring_span(w_desc, ring, bars, i, n_spans, row0, col0, T, TILES, WPT, STAGES, SPAN_WORDS, BLOCK_N,
-                            LA, FLAT)
+        wg, wh = _ring_span(w_desc, ring, bars, i, n_spans, row0, row_h, col0, T, TILES, WPT, STAGES, SPAN_WORDS,
+                            BLOCK_N, LA, FLAT, GATED)
         p0, p1, p2, p3 = _span_mma((wg, wh) + side_a, p0, p1, p2, p3, LB, PAIR)
         side_a = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k,
                             gl.minimum(k_lo + (i + 2) * GROUP, last), K, GROUP, EVEN_K)
         if i + 1 < n_spans:
-            wg, wh = _ring_span(w_desc, ring, bars, i + 1, n_spans, row0, col0, T, TILES, WPT, STAGES, SPAN_WORDS,
-                                BLOCK_N, LA, FLAT)
+            wg, wh = _ring_span(w_desc, ring, bars, i + 1, n_spans, row0, row_h, col0, T, TILES, WPT, STAGES,
+                                SPAN_WORDS, BLOCK_N, LA, FLAT, GATED)
             p0, p1, p2, p3 = _span_mma((wg, wh) + side_b, p0, p1, p2, p3, LB, PAIR)
     if PDL:
         gdc_launch_dependents()
-    _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HAS_BIAS,
-            HAS_RESIDUAL, SPLIT, COLS, PAIR, LP)
+    _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HALF,
+            HAS_BIAS, HAS_RESIDUAL, SPLIT, COLS, PAIR, GATED, LP)
 
 
 def supports(x: torch.Tensor, qweight: torch.Tensor, group: int, in_features: int) -> bool:
@@ -517,10 +583,15 @@ def has_tma(qweight: torch.Tensor) -> bool:
 def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                   in_features: int, group: int, bias: torch.Tensor | None = None,
                   config: MmaGemvConfig | None = None, *, residual: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """quant_linear (triton_quant.py) for INT4 weights and x of at most 16 rows (supports())."""
+                  out_dtype: torch.dtype | None = None, silu_and_mul_out: bool = False) -> torch.Tensor:
+    """quant_linear (triton_quant.py) for INT4 weights and x of at most 16 rows (supports()). silu_and_mul_out:
+    the weight is cat(gate, up) and the result silu(gate) * up ([..., n / 2]), in the product's own store."""
     k = in_features
     n = qweight.shape[0]
+    if silu_and_mul_out and (n % 2 or residual is not None):
+        raise ValueError(f"SiLU·mul of the output needs an even number of rows (cat(gate, up)) and no residual; "
+                         f"got {n} rows{' and a residual' if residual is not None else ''}")
+    half = n // 2 if silu_and_mul_out else n
     tma = (config is None or config.stages > 0) and has_tma(qweight)  # quant_linear passes its chosen config
     cfg = config or default_config(x.numel() // k, n, k, tma) or MMA_CFG
     if cfg.stages and not tma:
@@ -537,8 +608,9 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         if residual.numel() != m * n:
             raise ValueError(f"residual has {residual.numel()} elements, the output {m * n}")
         residual = residual.reshape(m, n).contiguous()
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    row_tiles = triton.cdiv(n, cfg.block_n)
+    out = torch.empty(m, half, dtype=out_dtype or x.dtype, device=x.device)
+    # a gated program takes block_n / 2 outputs, the rows of both halves: as many programs as without the gate
+    row_tiles = triton.cdiv(half, cfg.block_n // 2) if silu_and_mul_out else triton.cdiv(n, cfg.block_n)
     spans = triton.cdiv(k, group)
     split = cfg.split_k or triton.cdiv(cfg.programs_per_sm * num_sms(x.device.index or 0), row_tiles)
     split = max(1, min(split, spans, 32))
@@ -550,14 +622,15 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             k_per_split)
     consts = dict(GROUP=group, EVEN_K=k % group == 0, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                   SPLIT=split > 1, TILES=cfg.tiles, WARPS=cfg.num_warps, COLS=triton.cdiv(m, 8), PAIR=m > 1,
-                  num_warps=cfg.num_warps, **pdl_args(x))
+                  GATED=silu_and_mul_out, num_warps=cfg.num_warps, **pdl_args(x))
     if cfg.stages:
         words = qweight.view(torch.int32)
-        desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [cfg.block_n, group // 8],
+        box_rows = cfg.block_n // 2 if silu_and_mul_out else cfg.block_n
+        desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [box_rows, group // 8],
                                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
         _int4_mma_tma_kernel[(row_tiles, split)](x2.view(torch.int32), desc, scales, mins, *args, k // 2,
-                                                 scales.stride(0), STAGES=cfg.stages, **consts)
+                                                 scales.stride(0), half, STAGES=cfg.stages, **consts)
     else:
         _int4_mma_kernel[(row_tiles, split)](x2.view(torch.int32), qweight.view(torch.int32), scales, mins, *args,
-                                             qweight.stride(0) // 4, k // 2, scales.stride(0), **consts)
-    return out.view(*x.shape[:-1], n)
+                                             qweight.stride(0) // 4, k // 2, scales.stride(0), half, **consts)
+    return out.view(*x.shape[:-1], half)

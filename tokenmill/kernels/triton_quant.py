@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import quant_ref, triton_fp8_linear, triton_fp8_skinny, triton_int4_mma
+from tokenmill.kernels import quant_ref, triton_activation, triton_fp8_linear, triton_fp8_skinny, triton_int4_mma
 from tokenmill.kernels.triton_arrive import arrive_last, counters
 from tokenmill.kernels.triton_gemv import (
     WIDE_N,
@@ -214,28 +214,45 @@ def with_split(cfg: MatmulConfig, m: int, n: int, k: int, device: torch.device) 
     return dataclasses.replace(cfg, split_k=max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg.block_k), 16)))
 
 
+def _int4_mma_config(x: torch.Tensor, qweight: torch.Tensor, group: int,
+                     in_features: int) -> triton_int4_mma.MmaGemvConfig | None:
+    """The tensor-core decode kernel's config where it takes this INT4 call and is the faster kernel, else None."""
+    if qweight.dtype != torch.uint8 or not triton_int4_mma.supports(x, qweight, group, in_features):
+        return None
+    return triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features,
+                                          triton_int4_mma.has_tma(qweight))
+
+
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  in_features: int, group: int, bias: torch.Tensor | None,
                  config: MatmulConfig | None = None, *, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
-                 silu_and_mul: bool = False) -> torch.Tensor:
+                 silu_and_mul: bool = False, silu_and_mul_out: bool = False) -> torch.Tensor:
     """x [..., in_features] @ W.T + bias (+ residual) in out_dtype (default x's), W packed INT8 (int8 qweight) or
     INT4 (uint8); same as quant_ref. Without a config, INT4 with bf16 x of up to 16 rows goes to the tensor-core
     decode kernel (triton_int4_mma.py) where it is the faster one, and any other single row to the GEMV; the tile
     kernel runs the rest (and whatever M is when a config is given). FP8 (float8_e4m3fn qweight) quantizes x too:
     cuBLAS's FP8 GEMM where it is the faster (use_scaled_mm), the tile kernel otherwise; its quantization kernel
-    also does the RMSNorm or SiLU·mul that produced x where those are folded in (quant_ref.fp8_activation)."""
+    also does the RMSNorm or SiLU·mul that produced x where those are folded in (quant_ref.fp8_activation).
+    silu_and_mul_out: W is cat(gate, up) and the result silu(gate) * up: in the tensor-core decode kernel's store
+    where it runs (no second kernel, no gate/up in memory), else by the SiLU·mul kernel after the product."""
+    if silu_and_mul_out:
+        if residual is not None:
+            raise ValueError("SiLU·mul of a projection's output takes no residual")
+        if config is None and (mma_cfg := _int4_mma_config(x, qweight, group, in_features)) is not None:
+            return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
+                                                 out_dtype=out_dtype, silu_and_mul_out=True)
+        return triton_activation.silu_and_mul(
+            quant_linear(x, qweight, scales, mins, in_features, group, bias, config, out_dtype=out_dtype,
+                         rms_norm=rms_norm, silu_and_mul=silu_and_mul))
     int4, fp8 = qweight.dtype == torch.uint8, qweight.dtype == torch.float8_e4m3fn
     if not fp8:
         quant_ref.check_no_prologue(rms_norm, silu_and_mul)
     prologue = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul}
     x_width = 2 * in_features if silu_and_mul else in_features
-    if config is None and int4 and triton_int4_mma.supports(x, qweight, group, in_features):
-        mma_cfg = triton_int4_mma.default_config(x.numel() // in_features, qweight.shape[0], in_features,
-                                                 triton_int4_mma.has_tma(qweight))
-        if mma_cfg is not None:
-            return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
-                                                 residual=residual, out_dtype=out_dtype)
+    if config is None and (mma_cfg := _int4_mma_config(x, qweight, group, in_features)) is not None:
+        return triton_int4_mma.int4_mma_gemv(x, qweight, scales, mins, in_features, group, bias, mma_cfg,
+                                             residual=residual, out_dtype=out_dtype)
     if config is None and x.numel() == x_width:
         if fp8:  # x quantized and scaled back to float32 for the GEMV, which scales by W's row scales
             xd, _ = triton_fp8_linear.quantize_rows(x.reshape(1, x_width), dequantize=True, **prologue)

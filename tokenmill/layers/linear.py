@@ -54,6 +54,11 @@ class Linear(nn.Module):
         one does not."""
         return False
 
+    def silu_and_mul(self, x: torch.Tensor, *, rms_eps: float | None = None) -> torch.Tensor:
+        """silu(gate) * up of this projection's output cat(gate, up) (a merged gate/up projection): the product,
+        then the SiLU·mul kernel. A quantized projection may do both in one kernel (QuantLinear)."""
+        return self.ops.silu_and_mul(self(x, rms_eps=rms_eps))
+
 
 class ColumnParallelLinear(Linear):
     """Output rows split over ranks; each rank produces its slice of the output."""

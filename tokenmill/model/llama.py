@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import PagedAttention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.layernorm import RMSNorm
@@ -54,12 +53,14 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: silu")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        self.act: SiluAndMul | None = SiluAndMul()  # None once folded into down_proj
+        self.act_in_down = False  # SiLU·mul folded into down_proj's input (FP8: its quantization kernel)
 
     def forward(self, x: torch.Tensor, rms_eps: float | None, residual: torch.Tensor) -> torch.Tensor:
-        """residual + mlp(x): x and rms_eps as RMSNorm.for_projection gives them."""
-        gate_up = self.gate_up_proj(x, rms_eps=rms_eps)
-        return self.down_proj(gate_up if self.act is None else self.act(gate_up), residual=residual)
+        """residual + mlp(x): x and rms_eps as RMSNorm.for_projection gives them. SiLU·mul runs in gate/up's
+        call (Linear.silu_and_mul: INT4 decode fuses it into the product) unless down_proj takes it."""
+        if self.act_in_down:
+            return self.down_proj(self.gate_up_proj(x, rms_eps=rms_eps), residual=residual)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, rms_eps=rms_eps), residual=residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -80,8 +81,7 @@ class LlamaDecoderLayer(nn.Module):
         where those projections take them (Linear.fold_norm, fold_silu_and_mul)."""
         self.input_layernorm.fold_into(self.self_attn.qkv_proj)
         self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
-        if self.mlp.down_proj.fold_silu_and_mul():
-            self.mlp.act = None
+        self.mlp.act_in_down = self.mlp.down_proj.fold_silu_and_mul()
 
 
 class LlamaModel(nn.Module):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import all_gather_last_dim, all_reduce, tp_size
+from tokenmill.kernels import torch_ref
 from tokenmill.kernels.cpu_quant import CpuPackedWeight, cpu_quant_linear, prepack, supports
 from tokenmill.layers.embedding import ParallelLMHead
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
@@ -159,11 +160,22 @@ class QuantLinear(Linear):
         self.silu_and_mul_input = self.fmt.fp8
         return self.silu_and_mul_input
 
-    def forward(self, x: torch.Tensor, *, rms_eps: float | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _norm(self, rms_eps: float | None) -> tuple[torch.Tensor, float] | None:
+        """The folded norm the matmul applies to x, for an rms_eps from RMSNorm.for_projection."""
         if rms_eps is not None and self.input_norm is None:
             raise ValueError("a norm folds only into float or FP8 weights; this projection takes its output")
-        norm = None if rms_eps is None else (self.input_norm, rms_eps)
+        return None if rms_eps is None else (self.input_norm, rms_eps)
+
+    def silu_and_mul(self, x: torch.Tensor, *, rms_eps: float | None = None) -> torch.Tensor:
+        """Linear.silu_and_mul in the matmul's call: INT4 at up to 16 rows on a GPU computes SiLU·mul in the
+        product's store (triton_quant.quant_linear), the rest after it."""
+        if self.col_range is not None and tp_size() > 1:
+            raise ValueError("SiLU·mul needs whole gate and up sums; a row-parallel rank holds partial ones")
+        return self._product(x, self.bias, None, rms_norm=self._norm(rms_eps), silu_and_mul_out=True)
+
+    def forward(self, x: torch.Tensor, *, rms_eps: float | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        norm = self._norm(rms_eps)
         sharded = self.col_range is not None and tp_size() > 1  # partial sums: bias and residual follow the sum
         y = self._product(x, None if sharded else self.bias, None if sharded else residual, rms_norm=norm)
         if not sharded:
@@ -173,17 +185,19 @@ class QuantLinear(Linear):
         return y if residual is None else y + residual
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-                 out_dtype: torch.dtype | None = None,
-                 rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
+                 silu_and_mul_out: bool = False) -> torch.Tensor:
         """This rank's x W^T + bias + residual, in out_dtype (default x's): torch's packed CPU kernel where one
-        fits, else the device's quantized matmul (which, FP8, also runs the folded norm or SiLU·mul)."""
+        fits, else the device's quantized matmul (which, FP8, also runs the folded norm or SiLU·mul).
+        silu_and_mul_out: silu(gate) * up of the result (Linear.silu_and_mul)."""
         if (packed := self._cpu_kernel_weight(x)) is None:
             return self.matmul(x, self.weight, self.weight_scale, self.weight_min, self.in_features, self.group,
                                bias, residual=residual, out_dtype=out_dtype, rms_norm=rms_norm,
-                               silu_and_mul=self.silu_and_mul_input)
+                               silu_and_mul=self.silu_and_mul_input, silu_and_mul_out=silu_and_mul_out)
         y = cpu_quant_linear(x, packed, bias)
         y = y if residual is None else y + residual
-        return y if out_dtype is None else y.to(out_dtype)
+        y = y if out_dtype is None else y.to(out_dtype)
+        return torch_ref.silu_and_mul(y) if silu_and_mul_out else y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
