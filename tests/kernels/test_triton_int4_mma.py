@@ -17,7 +17,8 @@ from paged_cases import rel_err
 
 from tokenmill.kernels import quant_ref, torch_ref
 from tokenmill.kernels.triton_activation import silu_and_mul
-from tokenmill.kernels.triton_int4_mma import ROW_WIDE_TMA_CFG, MmaGemvConfig, has_tma, int4_mma_gemv, supports
+from tokenmill.kernels.triton_int4_mma import (ROW_DEEP_TMA_CFG, ROW_WIDE_TMA_CFG, MmaGemvConfig, default_config,
+                                               has_tma, int4_mma_gemv, supports)
 from tokenmill.kernels.triton_quant import quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
@@ -29,8 +30,8 @@ SHAPES = [(16, 128), (37, 1000), (130, 4160), (4096, 4096), (4096, 14336)]
 CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, split_k=4),
            MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)]
 TMA = torch.cuda.get_device_capability()[0] >= 9
-if TMA:  # the one-row default for wide matrices; a 2-stage ring that wraps many times within a split
-    CONFIGS += [ROW_WIDE_TMA_CFG, MmaGemvConfig(tiles=1, num_warps=4, split_k=4, stages=2)]
+if TMA:  # the one-row defaults for wide and deep matrices; a 2-stage ring that wraps many times within a split
+    CONFIGS += [ROW_WIDE_TMA_CFG, ROW_DEEP_TMA_CFG, MmaGemvConfig(tiles=1, num_warps=4, split_k=4, stages=2)]
 
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
@@ -110,15 +111,17 @@ def test_silu_and_mul_out_routes() -> None:
                      silu_and_mul_out=True)
 
 
-def test_wide_row_default() -> None:
-    """A single row of a matrix wide enough for the one-row default (a TMA ring on sm_90+) through quant_linear,
-    with a residual, against float64."""
+@pytest.mark.parametrize("n,k,tma_cfg", [(16384, 1024, ROW_WIDE_TMA_CFG), (2048, 8192, ROW_DEEP_TMA_CFG)])
+def test_one_row_defaults(n: int, k: int, tma_cfg: MmaGemvConfig) -> None:
+    """A single row of a matrix wide or deep enough for a one-row default (a TMA ring on sm_90+) through
+    quant_linear, with a residual, against float64."""
     f = QuantFormat.parse("int4-g128")
     gen = torch.Generator(device="cuda").manual_seed(1)
-    qw = quantize(torch.randn(16384, 1024, device="cuda", generator=gen) * 0.05, f)
-    x = torch.randn(1, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
-    residual = torch.randn(1, 16384, device="cuda", generator=gen, dtype=torch.bfloat16)
-    args = (qw.qweight, qw.scales, qw.mins, 1024, 128, None)
+    qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, f)
+    assert (default_config(1, n, k, has_tma(qw.qweight)) == tma_cfg) == TMA
+    x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual = torch.randn(1, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (qw.qweight, qw.scales, qw.mins, k, 128, None)
     got = quant_linear(x, *args, residual=residual)
     assert rel_err(got, quant_ref.quant_linear(x.double(), *args, residual=residual.double())) < 1e-2
 
