@@ -2,7 +2,7 @@
 # GPU check on a CUDA machine: kernel, quantization and engine tests, then kernel and engine benchmarks (Llama-3-8B
 # shape with random weights: bf16, INT8, INT4; transformers' generate in the same run). One section per step, a
 # summary last. SECTIONS picks what runs, in that order (default: tests profile bench): tests (GPU tests), profile
-# (where a decode step's time goes, verify-step cost), bench (kernel, quantization and engine benchmarks), tp
+# (where a decode step's time goes, verify-step cost, what each part of an INT4 layer costs in place), bench (kernel, quantization and engine benchmarks), tp
 # (2 GPUs: TP=2 against TP=1, batch-1 speed at TP=1 and 2), fp8 (FP8 weights: their tests, kernel timings, batch 1,
 # a batch-256 step and the offline workload against bf16 weights in the same run). SKIP lists step names to leave out
 # ("quant tests,kernel bench"). A step stops after STEP_TIMEOUT s.
@@ -65,6 +65,8 @@ profile() {
         step "profile $q" "$PY" -m tokenmill.cli bench profile "${DUMMY[@]}" --quantization $q --batch-sizes 1 \
             --max-num-seqs 8 --verify-query-lens --out "$OUT_DIR/profile_$q.json"
     done
+    step "parts int4" "$PY" -m tokenmill.cli bench parts "${DUMMY[@]}" --quantization int4 --quantize-lm-head \
+        --async-scheduling --max-num-seqs 8 --rounds 1 --out "$OUT_DIR/parts_int4.json"
 }
 tp() {  # a hang becomes an error with a traceback; tokenmill's ranks exit with their parent, torchrun's are killed
     export TOKENMILL_DIST_TIMEOUT_S=${TOKENMILL_DIST_TIMEOUT_S:-90} TOKENMILL_DIST_JOIN_TIMEOUT_S=${TOKENMILL_DIST_JOIN_TIMEOUT_S:-90} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
