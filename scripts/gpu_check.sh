@@ -2,10 +2,10 @@
 # GPU check on a CUDA machine: kernel, quantization and engine tests, then kernel and engine benchmarks (Llama-3-8B
 # shape with random weights: bf16, INT8, INT4; transformers' generate in the same run). One section per step, a
 # summary last. SECTIONS picks what runs, in that order (default: tests profile bench): tests (GPU tests), profile
-# (where a decode step's time goes, verify-step cost, what each part of an INT4 layer costs in place), bench (kernel, quantization and engine benchmarks), tp
-# (2 GPUs: TP=2 against TP=1, batch-1 speed at TP=1 and 2), fp8 (FP8 weights: their tests, kernel timings, batch 1,
-# a batch-256 step and the offline workload against bf16 weights in the same run). SKIP lists step names to leave out
-# ("quant tests,kernel bench"). A step stops after STEP_TIMEOUT s.
+# (where a decode step's time goes, verify-step cost, what each part of an INT4 layer costs in place), bench (kernel,
+# quantization and engine benchmarks), tp (2 GPUs: TP=2 against TP=1, batch-1 speed at TP=1 and 2), fp8 (FP8 weights:
+# their tests, kernel timings, batch 1, a batch-256 step and the offline workload against bf16 weights in the same
+# run). SKIP lists step names to leave out ("quant tests,kernel bench"). A step stops after STEP_TIMEOUT s.
 # Installs nothing but the wheels found in .whl/ (the GPU machine has no registry access).
 #   OUT_DIR=bench_results scripts/gpu_check.sh
 set -uo pipefail
