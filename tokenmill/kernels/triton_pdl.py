@@ -1,12 +1,12 @@
-"""Programmatic dependent launch (Hopper and later): a kernel launched with it is scheduled while the kernel
-before it still runs, instead of after that kernel has drained. At batch 1 a decode step is ~200 kernels (bf16;
-~260 INT8, ~230 INT4, whose gate/up stores SiLU·mul), most of them a few microseconds long, so the drain-and-fill
-at each boundary is a real share of the step (batch-1 decode, Llama-3-8B shape, H200: 224.6 tokens/s without,
-233.2 with). Prefetching a GEMV's first weights into L2 before its wait was tried and lost (229.9 with 1 KB a row,
-204.8 with 4 KB): the prefetch competes with the kernel before it for bandwidth. Loading the first sub-tile into registers before the wait pays only for INT8's
-"unit" GEMVs (GemvConfig.early: batch-1 INT8 392.8 tokens/s against 389.8; INT4 424.5 against 427.1, bf16 231.4
-against 247.0, INT8 "bits" 384.6). Decode attention at small batches reads everything but q and the new token
-before its wait (triton_attention's EARLY).
+"""Programmatic dependent launch (Hopper and later): a kernel launched with it is scheduled while the kernel before it
+still runs, instead of after that kernel has drained. At batch 1 a decode step is ~200 kernels (bf16; ~260 INT8,
+~230 INT4, whose gate/up stores SiLU·mul), most of them a few microseconds long, so the drain-and-fill at each
+boundary is a real share of the step (batch-1 decode, Llama-3-8B shape, H200: 224.6 tokens/s without, 233.2 with).
+Prefetching a GEMV's first weights into L2 before its wait was tried and lost (229.9 with 1 KB a row, 204.8 with 4
+KB): the prefetch competes with the kernel before it for bandwidth. Loading the first sub-tile into registers before
+the wait pays only for INT8's "unit" GEMVs (GemvConfig.early: batch-1 INT8 392.8 tokens/s against 389.8; INT4 424.5
+against 427.1, bf16 231.4 against 247.0, INT8 "bits" 384.6). Decode attention at small batches reads everything but
+q and the new token before its wait (triton_attention's EARLY).
 
 The contract, for every kernel launched with `launch_pdl=True` (PDL constexpr set):
 - before `pdl_wait` it may compute addresses and read only what no kernel of the step writes (weights; the
