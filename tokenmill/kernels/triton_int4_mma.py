@@ -615,8 +615,8 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             raise ValueError(f"residual has {residual.numel()} elements, the output {m * n}")
         residual = residual.reshape(m, n).contiguous()
     out = torch.empty(m, half, dtype=out_dtype or x.dtype, device=x.device)
-    # a gated program takes block_n / 2 outputs, the rows of both halves: as many programs as without the gate
-    row_tiles = triton.cdiv(half, cfg.block_n // 2) if silu_and_mul_out else triton.cdiv(n, cfg.block_n)
+    # gated, a program takes block_n / 2 outputs, the rows of both halves: as many programs as without the gate
+    row_tiles = triton.cdiv(n, cfg.block_n)
     spans = triton.cdiv(k, group)
     split = cfg.split_k or triton.cdiv(cfg.programs_per_sm * num_sms(x.device.index or 0), row_tiles)
     split = max(1, min(split, spans, 32))
