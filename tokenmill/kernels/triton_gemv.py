@@ -171,20 +171,20 @@ def _magic_nibbles(packed):
 
 @triton.jit
 def _store_rows(y, ssq, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, K, eps,
-                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr):
+                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr):
     """A program's rows in out's dtype, through _store_out. With K split over programs, each stores its fp32
     partial sums (and, with NORM, its slice's sum of squares of x after every split's rows), and the split that
-    finishes last adds them up in split order (triton_arrive.py): no second kernel."""
-    if SPLIT:
-        splits = tl.num_programs(1)
-        ssq_ptr = part_ptr + splits * N + tl.program_id(0) * splits
+    finishes last adds them up in split order (triton_arrive.py): no second kernel. The merge is unrolled
+    (SPLITS, the number of splits, is a constant), so every partial's load is in flight at once."""
+    if SPLITS > 1:
+        ssq_ptr = part_ptr + SPLITS * N + tl.program_id(0) * SPLITS
         tl.store(part_ptr + tl.program_id(1) * N + offs_n, y, mask=offs_n < N)
         if NORM:
             tl.store(ssq_ptr + tl.program_id(1), ssq)
-        if arrive_last(counter_ptr + tl.program_id(0), splits):
+        if arrive_last(counter_ptr + tl.program_id(0), SPLITS):
             total = tl.zeros_like(y)
             total_sq = tl.full([], 0.0, tl.float32)
-            for s in range(splits):
+            for s in tl.static_range(SPLITS):
                 total += tl.load(part_ptr + s * N + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
                 if NORM:
                     total_sq += tl.load(ssq_ptr + s, cache_modifier=".cg")
@@ -296,7 +296,7 @@ def _word_tile(rows, n_mask, word, k_of_word, ks, k_hi, K, PER_WORD: tl.constexp
 def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, N, K, n_groups,
                  k_per_split, stride_wb, stride_sn,
                  INT8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
                  AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """INT4 or INT8 with "unit" dequantization (module docstring). w_ptr is the weight as 32-bit words, stride_wb
     its row stride in 16-byte blocks: as bytes, a tile carried from one step to the next is re-packed at every
@@ -345,7 +345,7 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
     if INT8 and GROUP == 0:
         y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
     _store_rows(y, 0.0, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, K, 0.0, HAS_BIAS, HAS_RESIDUAL,
-                False, SPLIT)
+                False, SPLITS)
 
 
 @triton.jit
@@ -353,7 +353,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
                  k_per_split, stride_wn, stride_sn, eps,
                  INT4: tl.constexpr, INT8: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
                  PER_CHANNEL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr,
                  BITS: tl.constexpr, PDL: tl.constexpr):
     """Every dequantization but "unit". NORM (dense only) sums x^2 on the way: x is loaded for the products
@@ -422,7 +422,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
     if NORM:
         ssq = tl.sum(sq, 0)
     _store_rows(y, ssq, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, offs_n, N, K, eps, HAS_BIAS, HAS_RESIDUAL,
-                NORM, SPLIT)
+                NORM, SPLITS)
 
 
 def sub_tile(group: int, block_k: int) -> int:
@@ -502,7 +502,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     if unit:  # rows of whole 16-byte blocks: read as 32-bit words
         _unit_kernel[grid](x1, w.view(torch.int32), s, m, b, r, out, part, counter, n, k, n_groups, k_per_split,
                            w.stride(0) // 16, s.stride(0), INT8=kind == INT8, GROUP=group_k, HAS_BIAS=bias is not None,
-                           HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=cfg.block_n, SUB=sub,
+                           HAS_RESIDUAL=residual is not None, SPLITS=split, BLOCK_N=cfg.block_n, SUB=sub,
                            CHUNK=min(cfg.chunk, sub if kind == INT8 else sub // 2), AHEAD=cfg.ahead,
                            EARLY=cfg.early, num_warps=cfg.num_warps, num_stages=1, **pdl)
     else:
@@ -511,7 +511,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
                            INT4=kind == INT4, INT8=kind == INT8, FP8=kind == FP8, GROUP=group_k,
                            PER_CHANNEL=per_channel,
                            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=rms_eps is not None,
-                           SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           SPLITS=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            SUB=sub, PRMT=kind == INT4 and cfg.dequant == "prmt",
                            BITS=kind != DENSE and cfg.dequant != "cvt", num_warps=cfg.num_warps, num_stages=1,
                            **pdl)
