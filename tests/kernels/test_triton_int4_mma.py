@@ -17,8 +17,8 @@ from paged_cases import rel_err
 
 from tokenmill.kernels import quant_ref, torch_ref
 from tokenmill.kernels.triton_activation import silu_and_mul
-from tokenmill.kernels.triton_int4_mma import (ROW_DEEP_TMA_CFG, ROW_WIDE_TMA_CFG, MmaGemvConfig, default_config,
-                                               has_tma, int4_mma_gemv, supports)
+from tokenmill.kernels.triton_int4_mma import (ROW_DEEP_TMA_CFG, ROW_TALL_TMA_CFG, ROW_WIDE_TMA_CFG, MmaGemvConfig,
+                                               default_config, has_tma, int4_mma_gemv, supports)
 from tokenmill.kernels.triton_quant import quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
@@ -30,8 +30,9 @@ SHAPES = [(16, 128), (37, 1000), (130, 4160), (4096, 4096), (4096, 14336)]
 CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, split_k=4),
            MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)]
 TMA = torch.cuda.get_device_capability()[0] >= 9
-if TMA:  # the one-row defaults for wide and deep matrices; a 2-stage ring that wraps many times within a split
-    CONFIGS += [ROW_WIDE_TMA_CFG, ROW_DEEP_TMA_CFG, MmaGemvConfig(tiles=1, num_warps=4, split_k=4, stages=2)]
+if TMA:  # the one-row defaults for wide, deep and tall matrices; a 2-stage ring that wraps many times within a split
+    CONFIGS += [ROW_WIDE_TMA_CFG, ROW_DEEP_TMA_CFG, ROW_TALL_TMA_CFG,
+                MmaGemvConfig(tiles=1, num_warps=4, split_k=4, stages=2)]
 
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
@@ -111,9 +112,10 @@ def test_silu_and_mul_out_routes() -> None:
                      silu_and_mul_out=True)
 
 
-@pytest.mark.parametrize("n,k,tma_cfg", [(16384, 1024, ROW_WIDE_TMA_CFG), (2048, 8192, ROW_DEEP_TMA_CFG)])
+@pytest.mark.parametrize("n,k,tma_cfg", [(16384, 1024, ROW_WIDE_TMA_CFG), (2048, 8192, ROW_DEEP_TMA_CFG),
+                                         (6144, 4096, ROW_TALL_TMA_CFG)])
 def test_one_row_defaults(n: int, k: int, tma_cfg: MmaGemvConfig) -> None:
-    """A single row of a matrix wide or deep enough for a one-row default (a TMA ring on sm_90+) through
+    """A single row of a matrix wide, deep or tall enough for a one-row default (a TMA ring on sm_90+) through
     quant_linear, with a residual, against float64."""
     f = QuantFormat.parse("int4-g128")
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -59,23 +59,23 @@ class MmaGemvConfig:
         return 16 * self.tiles * self.num_warps
 
 
-# Tuned on the H200 (docs/BENCHMARKS.md), INT4 g128 on Llama-3-8B's four projections. 2 to 16 rows: the least
-# time over a layer (72 to 76 us at 2 to 8 rows against 130 to 156 for the tile kernel; 109 and 113 at 12 and 16
-# against 163 and 170), one config for all of them, so a row's result never depends on how many others there
-# are. One row: the CUDA-core GEMV (triton_gemv.py) stays faster on qkv and o (8.9 and 7.2 us against 9.6 and
-# 7.7 here); wide matrices (gate/up: 28.3 us against 32.4; with two-warp programs fed by a TMA ring, where the
-# GPU has TMA, 24.6, taking two spans a step at 3 programs a multiprocessor: gate/up in one wave of 448 programs,
-# no K split; 26.7 at one span a step) and deep ones (down: 16.3 against 17.2) come here, when large enough to
-# have been measured. Deeper rings were slower (8 stages: 33.4 us), and the ring lost on the other shapes (down,
-# qkv, o: 17.3, 10.1, 8.4 us with two spans a step). In place, once gate/up stored SiLU·mul itself (down right
-# after it, no SiLU·mul kernel between), down on a 3-stage ring won: batch-1 INT4 436.1 tokens/s against 428.3
-# (H100; 2 stages 435.5, 4 434.7, 6 427.0; 2 programs a multiprocessor 428.3, 4 432.9): the ring's first spans are
-# copied before the PDL wait, while gate/up finishes.
-MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=2)
+# Tuned on the H200 (docs/BENCHMARKS.md), INT4 g128 on Llama-3-8B's four projections, last in place in one engine
+# (the step's time, not each kernel's alone). 2 to 16 rows: one config for all of them, so a row's result never
+# depends on how many others there are; 3 programs a multiprocessor since the split merge was unrolled (batch 8
+# 3078.9 tokens/s against 2994.2 at 2; batch 2 and 4 +3.6% and +3.1%). One row, where the GPU has TMA, two-warp
+# programs fed by a ring in shared memory, two spans a step: gate/up (WIDE_N rows or more) in one wave at 3
+# programs a multiprocessor and 4 stages; down (deep: K at least twice N) at 4 and 2 stages, its first copies
+# issued before the PDL wait while gate/up finishes; qkv (tall: more rows than inputs) at 6 and 2 stages (batch 1
+# 500.1 against 493.9 for both on the GEMV's and the 3-stage ring's earlier choices). o (square) stays on the
+# CUDA-core GEMV (triton_gemv.py): on a ring it lost (486.6). Without TMA, wide and deep matrices take the
+# register-fed kernel below (gate/up 28.3 us against the GEMV's 32.4, down 16.3 against 17.2); anything smaller
+# than 2^24 weights stays on the GEMV.
+MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=3)
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
 ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=3, stages=4)
 ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
-ROW_DEEP_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=3, stages=3)
+ROW_DEEP_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=4, stages=2)
+ROW_TALL_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=6, stages=2)
 
 
 def default_config(m: int, n: int, k: int, tma: bool = False) -> MmaGemvConfig | None:
@@ -88,7 +88,7 @@ def default_config(m: int, n: int, k: int, tma: bool = False) -> MmaGemvConfig |
     if n >= WIDE_N:
         return ROW_WIDE_TMA_CFG if tma else ROW_WIDE_CFG
     if k < 2 * n:
-        return None
+        return ROW_TALL_TMA_CFG if tma and n > k else None
     return ROW_DEEP_TMA_CFG if tma else ROW_DEEP_CFG
 
 
