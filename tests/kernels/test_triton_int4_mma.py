@@ -17,8 +17,8 @@ from paged_cases import rel_err
 
 from tokenmill.kernels import quant_ref, torch_ref
 from tokenmill.kernels.triton_activation import silu_and_mul
-from tokenmill.kernels.triton_int4_mma import (ROW_DEEP_TMA_CFG, ROW_TALL_TMA_CFG, ROW_WIDE_TMA_CFG, MmaGemvConfig,
-                                               default_config, has_tma, int4_mma_gemv, supports)
+from tokenmill.kernels.triton_int4_mma import (ROW_DEEP_TMA_CFG, ROW_TALL_TMA_CFG, ROW_VOCAB_TMA_CFG, ROW_WIDE_TMA_CFG,
+                                               MmaGemvConfig, default_config, has_tma, int4_mma_gemv, supports)
 from tokenmill.kernels.triton_quant import quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 
@@ -30,8 +30,9 @@ SHAPES = [(16, 128), (37, 1000), (130, 4160), (4096, 4096), (4096, 14336)]
 CONFIGS = [None, MmaGemvConfig(split_k=1), MmaGemvConfig(tiles=1, num_warps=8, split_k=4),
            MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)]
 TMA = torch.cuda.get_device_capability()[0] >= 9
-if TMA:  # the one-row defaults for wide, deep and tall matrices; a 2-stage ring that wraps many times within a split
-    CONFIGS += [ROW_WIDE_TMA_CFG, ROW_DEEP_TMA_CFG, ROW_TALL_TMA_CFG,
+if TMA:  # the one-row defaults for wide, deep, tall and vocabulary-sized matrices; a 2-stage ring that wraps many
+    # times within a split
+    CONFIGS += [ROW_WIDE_TMA_CFG, ROW_DEEP_TMA_CFG, ROW_TALL_TMA_CFG, ROW_VOCAB_TMA_CFG,
                 MmaGemvConfig(tiles=1, num_warps=4, split_k=4, stages=2)]
 
 
@@ -60,13 +61,16 @@ def test_int4_mma_gemv(m: int, n: int, k: int, fmt: str) -> None:
 @pytest.mark.parametrize("n,k,fmt", [(300, 4104, "int4-g64"), (4096, 4096, "int4-g128"), (64, 256, "int4-g32")])
 def test_tma_ring_equals_register_loads(m: int, n: int, k: int, fmt: str) -> None:
     """The TMA ring changes where the weights travel and which thread holds which row, not a row's sums: the
-    same tiles and split give the same bits."""
+    same tiles and split give the same bits (splits given: by default a ring rounds its split down to stay in one
+    wave, the register-fed kernel rounds up)."""
     f = QuantFormat.parse(fmt)
     gen = torch.Generator(device="cuda").manual_seed(m + n)
     qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, f)
     x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
     assert has_tma(qw.qweight)
-    for cfg in (ROW_WIDE_TMA_CFG, MmaGemvConfig(tiles=4, num_warps=4, split_k=3, stages=3)):
+    for cfg in (MmaGemvConfig(tiles=2, num_warps=2, split_k=7, stages=4),
+                MmaGemvConfig(tiles=1, num_warps=2, split_k=1, stages=4),
+                MmaGemvConfig(tiles=4, num_warps=4, split_k=3, stages=3)):
         args = (x, qw.qweight, qw.scales, qw.mins, k, f.group(k), None)
         assert torch.equal(int4_mma_gemv(*args, cfg), int4_mma_gemv(*args, MmaGemvConfig(
             tiles=cfg.tiles, num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, split_k=cfg.split_k)))
@@ -113,10 +117,10 @@ def test_silu_and_mul_out_routes() -> None:
 
 
 @pytest.mark.parametrize("n,k,tma_cfg", [(16384, 1024, ROW_WIDE_TMA_CFG), (2048, 8192, ROW_DEEP_TMA_CFG),
-                                         (6144, 4096, ROW_TALL_TMA_CFG)])
+                                         (6144, 4096, ROW_TALL_TMA_CFG), (65600, 512, ROW_VOCAB_TMA_CFG)])
 def test_one_row_defaults(n: int, k: int, tma_cfg: MmaGemvConfig) -> None:
-    """A single row of a matrix wide, deep or tall enough for a one-row default (a TMA ring on sm_90+) through
-    quant_linear, with a residual, against float64."""
+    """A single row of a matrix wide, deep, tall or vocabulary-sized enough for a one-row default (a TMA ring on
+    sm_90+) through quant_linear, with a residual, against float64."""
     f = QuantFormat.parse("int4-g128")
     gen = torch.Generator(device="cuda").manual_seed(1)
     qw = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, f)

@@ -51,7 +51,9 @@ class MmaGemvConfig:
     tiles: int = 2  # 16-row tiles a warp holds
     num_warps: int = 4
     programs_per_sm: int = 4
-    split_k: int = 0  # 0: split K until there are about programs_per_sm programs per multiprocessor
+    # split_k 0: split K until there are about programs_per_sm programs per multiprocessor (a TMA ring: at most
+    # that many, so a split grid runs in one wave where programs_per_sm is the ring kernel's residency)
+    split_k: int = 0
     stages: int = 0  # spans of weights in flight in a TMA ring in shared memory (sm_90+); 0: loads to registers
 
     @property
@@ -64,9 +66,13 @@ class MmaGemvConfig:
 # depends on how many others there are; 3 programs a multiprocessor since the split merge was unrolled (batch 8
 # 3078.9 tokens/s against 2994.2 at 2; batch 2 and 4 +3.6% and +3.1%). One row, where the GPU has TMA, two-warp
 # programs fed by a ring in shared memory, two spans a step: gate/up (WIDE_N rows or more) in one wave at 3
-# programs a multiprocessor and 4 stages; down (deep: K at least twice N) at 4 and 2 stages, its first copies
-# issued before the PDL wait while gate/up finishes; qkv (tall: more rows than inputs) at 6 and 2 stages (batch 1
-# 500.1 against 493.9 for both on the GEMV's and the 3-stage ring's earlier choices). o (square) stays on the
+# programs a multiprocessor and 4 stages; down (deep: K at least twice N) on 2 stages, split into as many programs
+# as fit one wave at 6 a multiprocessor (its 154-register programs' residency: 12 splits of Llama-3-8B's down on
+# 132 multiprocessors, 768 programs, against 9 at the earlier 4; 2 more splits make a second wave), its first
+# copies issued before the PDL wait while gate/up finishes; qkv (tall: more rows than inputs) at 6 and 2 stages
+# (batch 1 500.1 against 493.9 for both on the GEMV's and the 3-stage ring's earlier choices); a vocabulary-sized
+# LM head (VOCAB_N rows or more: many waves, so no split and programs of one tile a warp, 79% of copy against
+# 66-70% at two; H100, down and LM head together 455.4 tokens/s against 451.5). o (square) stays on the
 # CUDA-core GEMV (triton_gemv.py): on a ring it lost (486.6). Without TMA, wide and deep matrices take the
 # register-fed kernel below (gate/up 28.3 us against the GEMV's 32.4, down 16.3 against 17.2); anything smaller
 # than 2^24 weights stays on the GEMV.
@@ -74,8 +80,10 @@ MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=3)
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
 ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=3, stages=4)
 ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
-ROW_DEEP_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=4, stages=2)
+ROW_DEEP_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=6, stages=2)
 ROW_TALL_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=6, stages=2)
+ROW_VOCAB_TMA_CFG = MmaGemvConfig(tiles=1, num_warps=2, programs_per_sm=3, stages=4)
+VOCAB_N = 65536  # rows from which one row of a matrix (an LM head) runs in many waves
 
 
 def default_config(m: int, n: int, k: int, tma: bool = False) -> MmaGemvConfig | None:
@@ -86,7 +94,9 @@ def default_config(m: int, n: int, k: int, tma: bool = False) -> MmaGemvConfig |
     if n * k < 1 << 24:
         return None
     if n >= WIDE_N:
-        return ROW_WIDE_TMA_CFG if tma else ROW_WIDE_CFG
+        if tma:
+            return ROW_VOCAB_TMA_CFG if n >= VOCAB_N else ROW_WIDE_TMA_CFG
+        return ROW_WIDE_CFG
     if k < 2 * n:
         return ROW_TALL_TMA_CFG if tma and n > k else None
     return ROW_DEEP_TMA_CFG if tma else ROW_DEEP_CFG
@@ -618,7 +628,8 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     # gated, a program takes block_n / 2 outputs, the rows of both halves: as many programs as without the gate
     row_tiles = triton.cdiv(n, cfg.block_n)
     spans = triton.cdiv(k, group)
-    split = cfg.split_k or triton.cdiv(cfg.programs_per_sm * num_sms(x.device.index or 0), row_tiles)
+    slots = cfg.programs_per_sm * num_sms(x.device.index or 0)
+    split = cfg.split_k or (slots // row_tiles if cfg.stages else triton.cdiv(slots, row_tiles))
     split = max(1, min(split, spans, 32))
     k_per_split = triton.cdiv(spans, split) * group
     split = triton.cdiv(k, k_per_split)
