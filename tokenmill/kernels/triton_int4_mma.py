@@ -532,13 +532,11 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     if GATED:
         row0 = gl.program_id(0) * (BLOCK_N // 2)
         row_h = row0 + HALF
-        rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
-        rows_h = rows_g + HALF
     else:
         row0 = gl.program_id(0) * BLOCK_N
         row_h = row0
-        rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
-        rows_h = rows_g + 8 * WARPS * TILES
+    rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
+    rows_h = rows_g + (HALF if GATED else 8 * WARPS * TILES)
     _, _, s_rows_g, s_rows_h, m_rows_g, m_rows_h = _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn)
     x_run, xw_k = _x_words(x_ptr, M, stride_x, T, COLS, WPT, LX)
 
