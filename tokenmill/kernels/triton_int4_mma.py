@@ -65,17 +65,17 @@ class MmaGemvConfig:
 # (the step's time, not each kernel's alone). 2 to 16 rows: one config for all of them, so a row's result never
 # depends on how many others there are; 3 programs a multiprocessor since the split merge was unrolled (batch 8
 # 3078.9 tokens/s against 2994.2 at 2; batch 2 and 4 +3.6% and +3.1%). One row, where the GPU has TMA, two-warp
-# programs fed by a ring in shared memory, two spans a step: gate/up (WIDE_N rows or more) in one wave at 3
-# programs a multiprocessor and 4 stages; down (deep: K at least twice N) on 2 stages, split into as many programs
-# as fit one wave at 6 a multiprocessor (its 154-register programs' residency: 12 splits of Llama-3-8B's down on
-# 132 multiprocessors, 768 programs, against 9 at the earlier 4; 2 more splits make a second wave), its first
-# copies issued before the PDL wait while gate/up finishes; qkv (tall: more rows than inputs) at 6 and 2 stages
-# (batch 1 500.1 against 493.9 for both on the GEMV's and the 3-stage ring's earlier choices); a vocabulary-sized
-# LM head (VOCAB_N rows or more: many waves, so no split and programs of one tile a warp, 79% of copy against
-# 66-70% at two; H100, down and LM head together 455.4 tokens/s against 451.5). o (square) stays on the
+# programs fed by a ring in shared memory, two spans a step: gate/up (WIDE_N rows or more) in one wave at 3 programs
+# a multiprocessor and 4 stages; down (deep: K at least twice N) on 2 stages, split into as many programs as fit one
+# wave at 6 a multiprocessor (the residency of its programs when they took 154 registers, now 138: 12 splits of
+# Llama-3-8B's down on 132 multiprocessors, 768 programs, against 9 at the earlier 4; 2 more splits made a second
+# wave), its first copies issued before the PDL wait while gate/up finishes; qkv (tall: more rows than inputs) at 6
+# and 2 stages (batch 1 500.1 against 493.9 for both on the GEMV's and the 3-stage ring's earlier choices); a
+# vocabulary-sized LM head (VOCAB_N rows or more: many waves, so no split and programs of one tile a warp, 79% of
+# copy against 66-70% at two; H100, down and LM head together 455.4 tokens/s against 451.5). o (square) stays on the
 # CUDA-core GEMV (triton_gemv.py): on a ring it lost (486.6). Without TMA, wide and deep matrices take the
-# register-fed kernel below (gate/up 28.3 us against the GEMV's 32.4, down 16.3 against 17.2); anything smaller
-# than 2^24 weights stays on the GEMV.
+# register-fed kernel below (gate/up 28.3 us against the GEMV's 32.4, down 16.3 against 17.2); anything smaller than
+# 2^24 weights stays on the GEMV.
 MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=3)
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
 ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=3, stages=4)
@@ -500,8 +500,8 @@ def _ring_span(w_desc, ring, bars, i, n_spans, row0, row_h, col0, T: gl.constexp
 
 @gluon.jit
 def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
-                         k_per_split, stride_x, stride_sn, HALF,
-                         GROUP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         k_per_split, stride_x, stride_sn: gl.constexpr, HALF: gl.constexpr,
+                         GROUP: gl.constexpr, EVEN_K: gl.constexpr, EVEN_N: gl.constexpr, HAS_BIAS: gl.constexpr,
                          HAS_RESIDUAL: gl.constexpr, SPLITS: gl.constexpr, TILES: gl.constexpr, COLS: gl.constexpr,
                          WARPS: gl.constexpr, PAIR: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
                          PDL: gl.constexpr):
@@ -513,7 +513,11 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     carried into the next step, ptxas copied the loads into the loop's registers at the step's end and waited
     for them there (Nsight Compute: 14.5% of stall samples); two spans take 154 registers against 116, and gate/up
     runs in 24.6 us against 26.7 (H200, docs/BENCHMARKS.md). GATED (_int4_mma_kernel): a stage's first half
-    holds gate rows, its second the up rows HALF further, w_desc's block [BLOCK_N / 2, GROUP / 8]."""
+    holds gate rows, its second the up rows HALF further, w_desc's block [BLOCK_N / 2, GROUP / 8]. stride_sn and
+    HALF are compile-time constants and, with EVEN_N (no program has rows past N), a thread's scales and mins lie
+    at constant offsets from its program's first row's: all of a span's loads take one address and an immediate
+    each (down 138 registers against 158; H100, down alone 14.3 us against 14.9, batch 1 474.8 tokens/s against
+    466.2, docs/BENCHMARKS.md)."""
     WPT: gl.constexpr = GROUP // 32
     L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     LA: gl.constexpr = gl.SliceLayout(2, L4)
@@ -535,9 +539,19 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     else:
         row0 = gl.program_id(0) * BLOCK_N
         row_h = row0
-    rows_g = (row0 + tid // 4)[:, None] + tile[None, :] * (8 * WARPS)
-    rows_h = rows_g + (HALF if GATED else 8 * WARPS * TILES)
-    _, _, s_rows_g, s_rows_h, m_rows_g, m_rows_h = _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn)
+    in_g = (tid // 4)[:, None] + tile[None, :] * (8 * WARPS)  # rows g from the program's first
+    in_h = in_g + (HALF if GATED else 8 * WARPS * TILES)
+    rows_g = row0 + in_g
+    rows_h = row0 + in_h
+    if EVEN_N:
+        first_s = s_ptr + row0.to(gl.int64) * stride_sn
+        first_m = m_ptr + row0.to(gl.int64) * stride_sn
+        s_rows_g = first_s + in_g * stride_sn
+        s_rows_h = first_s + in_h * stride_sn
+        m_rows_g = first_m + in_g * stride_sn
+        m_rows_h = first_m + in_h * stride_sn
+    else:
+        _, _, s_rows_g, s_rows_h, m_rows_g, m_rows_h = _row_params(rows_g, rows_h, s_ptr, m_ptr, N, stride_sn)
     x_run, xw_k = _x_words(x_ptr, M, stride_x, T, COLS, WPT, LX)
 
     ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, SPAN_WORDS], w_desc.layout)
@@ -643,8 +657,9 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         box_rows = cfg.block_n // 2 if silu_and_mul_out else cfg.block_n
         desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [box_rows, group // 8],
                                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+        even_n = half % (cfg.block_n // 2) == 0 if silu_and_mul_out else n % cfg.block_n == 0
         _int4_mma_tma_kernel[(row_tiles, split)](x2.view(torch.int32), desc, scales, mins, *args, k // 2,
-                                                 scales.stride(0), half, STAGES=cfg.stages, **consts)
+                                                 scales.stride(0), half, EVEN_N=even_n, STAGES=cfg.stages, **consts)
     else:
         _int4_mma_kernel[(row_tiles, split)](x2.view(torch.int32), qweight.view(torch.int32), scales, mins, *args,
                                              qweight.stride(0) // 4, k // 2, scales.stride(0), half, **consts)
