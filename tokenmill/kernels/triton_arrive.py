@@ -48,3 +48,19 @@ def arrive_last(counter_ptr, expected):
     if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
     return last
+
+
+@triton.jit
+def merged(part_ptrs, stride_split, mask, splits, UNROLLED: tl.constexpr):
+    """The sum of `splits` float32 partials at part_ptrs + s * stride_split, in split order. UNROLLED (splits as a
+    constant): every load is in flight at once; a loop waits one L2 round trip a split, which decode's
+    microsecond kernels feel (INT4 batch 8: +8% from the tensor-core kernel's unrolled merge, docs/BENCHMARKS.md).
+    0: the loop, for grids whose split count varies with M (one compile for all of them)."""
+    total = tl.zeros(part_ptrs.shape, tl.float32)
+    if UNROLLED:
+        for s in tl.static_range(UNROLLED):
+            total += tl.load(part_ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        for s in range(splits):
+            total += tl.load(part_ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+    return total

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_arrive import arrive_last, counters
+from tokenmill.kernels.triton_arrive import arrive_last, counters, merged
 from tokenmill.kernels.triton_gemv import WIDE_N, num_sms, store_tile
 from tokenmill.kernels.triton_pdl import pdl_args, pdl_release, pdl_wait
 
@@ -68,7 +68,7 @@ def takes(m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
 @triton.jit
 def _skinny_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr,
                    M, N, K, k_per_split, stride_xm, stride_wn, stride_sn, stride_om, stride_split,
-                   HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                    FAST_ACCUM: tl.constexpr, PROMOTE: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One (BLOCK_N channels, split of K) program over all M rows: acc^T [BLOCK_N, BLOCK_M] = W x^T."""
@@ -98,12 +98,10 @@ def _skinny_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, out_ptr, part_ptr
     acc = tl.trans(acc * tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)[None, :])  # [BLOCK_M, BLOCK_N], as out
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_off = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    if SPLIT:
+    if SPLITS > 1:
         tl.store(part_ptr + pid_k * stride_split + out_off, acc, mask=out_mask)
-        if arrive_last(counter_ptr + pid_n, tl.num_programs(1)):
-            acc = tl.zeros_like(acc)
-            for s in range(tl.num_programs(1)):
-                acc += tl.load(part_ptr + s * stride_split + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if arrive_last(counter_ptr + pid_n, SPLITS):
+            acc = merged(part_ptr + out_off, stride_split, out_mask, SPLITS, SPLITS)
             store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
     else:
         store_tile(acc, b_ptr, r_ptr, out_ptr, out_off, offs_n, N, out_mask, HAS_BIAS, HAS_RESIDUAL)
@@ -136,7 +134,7 @@ def skinny_mm(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, w
     _skinny_kernel[grid](
         xq, x_scales, qweight, w_scales, out if bias is None else bias, out if residual is None else residual,
         out, part, counter, m, n, k, k_per_split, xq.stride(0), qweight.stride(0), w_scales.stride(0), n, m * n,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SPLIT=splits > 1,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SPLITS=splits,
         FAST_ACCUM=cfg.fast_accum, PROMOTE=PROMOTE_EVERY, BLOCK_N=cfg.block_n,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(xq))
