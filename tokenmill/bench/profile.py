@@ -5,7 +5,12 @@ sampling including the wait for the device, token processing, outputs), the devi
 profiler) and the idle gap between the two, the top kernels. With --prefill-tokens, the same kernel list for a
 step that prefills that many prompt tokens (requests of --input-len, as the offline workload's first steps do).
 Then the cost of a verify step of K+1 query tokens against a one-token step for one request: the bound on what
-speculative decoding can gain on this machine."""
+speculative decoding can gain on this machine.
+
+With programmatic dependent launch a kernel starts before the one ahead of it ends and waits inside, so kernel
+durations overlap and their sum exceeds the step. The critical-path table charges each kernel what it adds to the
+stream instead: its end minus the end of the kernel before it (the first of a step also carries any idle gap
+before it), so the rows add up to the step."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +58,30 @@ def _device_kernel_ms(prof: profile, top: int) -> tuple[float, list[tuple[str, f
     return sum(r[1] for r in rows), rows[:top]
 
 
+def critical_path(events: list[tuple[str, int, int]], steps: int, top: int) -> list[dict[str, Any]]:
+    """Per kernel name, what it adds to a stream's time: events (name, start ns, end ns) of one stream, `steps`
+    steps of it; each event is charged its end minus the latest end before it (0 if it ends earlier), so the
+    charges add up to the span from the first end to the last. The `top` names by their total, with calls a step
+    and the median charge and duration a call."""
+    charged: dict[str, list[float]] = defaultdict(list)
+    durations: dict[str, list[float]] = defaultdict(list)
+    last_end = None
+    for name, start, end in sorted(events, key=lambda e: (e[1], e[2])):
+        charged[name].append(0.0 if last_end is None else max(end - last_end, 0) / 1e3)
+        durations[name].append((end - start) / 1e3)
+        last_end = end if last_end is None else max(last_end, end)
+    rows = [{"name": name[:60], "ms_per_step": sum(c) / 1e3 / steps, "calls_per_step": len(c) / steps,
+             "us_per_call": float(np.median(c)), "duration_us": float(np.median(durations[name]))}
+            for name, c in charged.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+
+
+def _device_events(prof: profile) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every device activity (kernels, copies) the profiler recorded."""
+    return [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA]
+
+
 def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, num_steps: int, top: int) -> dict[str, Any]:
     """Prefill batch_size requests, time num_steps decode steps, then profile num_steps more."""
     vocab = engine.model_config.vocab_size
@@ -75,13 +104,14 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, num_steps
     wall = clock(engine.device) - start
     for obj, name in timed:
         delattr(obj, name)
-    kernel_ms, kernels = 0.0, []
+    kernel_ms, kernels, path = 0.0, [], []
     if engine.device.type == "cuda":  # a second pass: the profiler's own overhead stays out of the timings above
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(num_steps):
                 engine.step()
             torch.cuda.synchronize()
         kernel_ms, kernels = _device_kernel_ms(prof, top)
+        path = critical_path(_device_events(prof), num_steps, top)
     while engine.has_unfinished_requests():
         engine.step()
     per_step = {k: 1000 * totals[k] / num_steps for k in PHASES}
@@ -90,6 +120,7 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, num_steps
     row["gap_ms"] = row["wall_ms"] - row["kernel_ms"] if kernels else None
     row["top_kernels"] = [{"name": n, "ms_per_step": ms / num_steps, "calls_per_step": c / num_steps}
                           for n, ms, c in kernels]
+    row["critical_path"] = path
     return row
 
 
@@ -186,6 +217,10 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         if r["top_kernels"]:
             print_table(r["top_kernels"], [("name", f"top kernels, batch {r['batch_size']}"),
                                            ("ms_per_step", "ms/step"), ("calls_per_step", "calls/step")])
+        if r["critical_path"]:
+            print_table(r["critical_path"], [("name", f"critical path, batch {r['batch_size']}"),
+                                             ("ms_per_step", "ms/step"), ("calls_per_step", "calls/step"),
+                                             ("us_per_call", "us/call"), ("duration_us", "duration us")])
     prefill = profile_prefill(engine, ns.prefill_tokens, ns.input_len, 3, ns.top) if ns.prefill_tokens else None
     if prefill:
         print(f"prefill step, {prefill['num_tokens']} tokens in {prefill['requests']} requests: wall "
