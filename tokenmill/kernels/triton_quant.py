@@ -104,7 +104,8 @@ def _quant_matmul_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_p
                          stride_xm, stride_wn, stride_sn, stride_om, stride_split,
                          INT4: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                         UNROLLED_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr, FAST_ACCUM: tl.constexpr,
+                         UNROLLED_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr,
+                         FAST_ACCUM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SUB: tl.constexpr, BIT_DEQUANT: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # x is the kernel before's output
@@ -290,7 +291,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         INT4=int4, FP8=fp8, GROUP=0 if per_channel else group, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, SPLIT=splits > 1,
-        UNROLLED_SPLITS=splits if splits > 1 and cfg.block_m <= SKINNY_M else 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UNROLLED_SPLITS=splits if splits > 1 and cfg.block_m <= SKINNY_M else 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         FP8_DOT=fp8 and cfg.block_m >= FP8_DOT_MIN_M and out_dtype != torch.float32, FAST_ACCUM=cfg.fast_accum,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB=sub_tile(0 if per_channel else group, cfg.block_k), BIT_DEQUANT=cfg.bit_dequant and int4,
