@@ -251,7 +251,22 @@ def _unit_int8_word(word):
 
 
 @triton.jit
-def _int8_unit_subtile(q, part, x_ptr, s_ptr, s_off, n_mask, ks, K, n_groups, k_of_weight,
+def _unit_params(s_ptr, m_ptr, s_off, n_mask, ks, n_groups, INT8: tl.constexpr, GROUP: tl.constexpr):
+    """The scales and mins ([BLOCK_N, 1]) of the sub-tile at input ks (one group), loaded with its words; zeros
+    where a kernel has none (INT8 has no mins, and with GROUP 0 one scale a row, applied to the row's sum)."""
+    if GROUP > 0:
+        scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
+    else:
+        scale = tl.zeros([1, 1], tl.float32)
+    if INT8:
+        low = tl.zeros([1, 1], tl.float32)
+    else:
+        low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP)
+    return scale, low
+
+
+@triton.jit
+def _int8_unit_subtile(q, part, x_ptr, scale, ks, K, k_of_weight,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr):
     """One sub-tile of INT8 words q added to part, the rows' partial sums by CHUNK weights ([BLOCK_N, C]): each
     chunk's sum of x takes the offset 1 off at once, while the sum is about as large as its products."""
@@ -261,13 +276,13 @@ def _int8_unit_subtile(q, part, x_ptr, s_ptr, s_off, n_mask, ks, K, n_groups, k_
     x_sum = tl.sum(x, 2)
     dot = (tl.sum(v * x, 2) - x_sum) * 32768.0 - x_sum * 128.0  # sum (q + 128) x - 128 sum x
     if GROUP > 0:
-        dot = dot * group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
+        dot = dot * scale
     return part + dot
 
 
 @triton.jit
-def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_byte,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr):
+def _int4_unit_subtile(q, part, x_ptr, scale, low, ks, K, k_of_byte,
+                       BLOCK_N: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr):
     """One sub-tile of packed words q added to part, the rows' partial sums by CHUNK bytes ([BLOCK_N, C])."""
     kl = ks + k_of_byte
     x_lo = tl.load(x_ptr + kl, mask=kl < K, other=0.0).to(tl.float32)[None, :]
@@ -280,8 +295,6 @@ def _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_gro
     dot = tl.sum(v_lo * x_lo, 2) + tl.sum(v_hi * x_hi16, 2)
     offset = tl.sum(x_lo + x_hi16, 2)
     x_sum = tl.sum(x_lo + x_hi16 * 0.0625, 2)
-    scale = group_param(s_ptr, s_off, n_mask, ks, n_groups, GROUP)
-    low = group_param(m_ptr, s_off, n_mask, ks, n_groups, GROUP)
     return part + (dot - offset) * (scale * 128.0) + x_sum * low
 
 
@@ -300,8 +313,9 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
                  AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """INT4 or INT8 with "unit" dequantization (module docstring). w_ptr is the weight as 32-bit words, stride_wb
     its row stride in 16-byte blocks: as bytes, a tile carried from one step to the next is re-packed at every
-    use. Words are loaded AHEAD sub-tiles ahead, so each program keeps one or two sub-tiles in flight while it
-    sums the one before. INT8 with GROUP 0 has one scale a row (per channel), applied to the row's sum."""
+    use. Words, scales and mins are loaded AHEAD sub-tiles ahead, so each program keeps one or two sub-tiles in
+    flight while it sums the one before; with EARLY the first ones load before the PDL wait. INT8 with GROUP 0
+    has one scale a row (per channel), applied to the row's sum."""
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N)[:, None]
@@ -323,23 +337,29 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
     if not EARLY:
         pdl_wait(PDL)
     nxt = _word_tile(rows, n_mask, word, k_of_word, k_lo, k_hi, K, PER_WORD)
+    nxt_s, nxt_m = _unit_params(s_ptr, m_ptr, s_off, n_mask, k_lo, n_groups, INT8, GROUP)
     if AHEAD == 2:
         nxt2 = _word_tile(rows, n_mask, word, k_of_word, k_lo + SUB, k_hi, K, PER_WORD)
+        nxt2_s, nxt2_m = _unit_params(s_ptr, m_ptr, s_off, n_mask, k_lo + SUB, n_groups, INT8, GROUP)
     if EARLY:
         pdl_wait(PDL)
     for ks in range(k_lo, k_hi, SUB):
         q = nxt
+        scale = nxt_s
+        low = nxt_m
         if AHEAD == 2:
             nxt = nxt2
+            nxt_s = nxt2_s
+            nxt_m = nxt2_m
             nxt2 = _word_tile(rows, n_mask, word, k_of_word, ks + 2 * SUB, k_hi, K, PER_WORD)
+            nxt2_s, nxt2_m = _unit_params(s_ptr, m_ptr, s_off, n_mask, ks + 2 * SUB, n_groups, INT8, GROUP)
         else:
             nxt = _word_tile(rows, n_mask, word, k_of_word, ks + SUB, k_hi, K, PER_WORD)
+            nxt_s, nxt_m = _unit_params(s_ptr, m_ptr, s_off, n_mask, ks + SUB, n_groups, INT8, GROUP)
         if INT8:
-            part = _int8_unit_subtile(q, part, x_ptr, s_ptr, s_off, n_mask, ks, K, n_groups, k_of_input, GROUP,
-                                      BLOCK_N, C, CHUNK)
+            part = _int8_unit_subtile(q, part, x_ptr, scale, ks, K, k_of_input, GROUP, BLOCK_N, C, CHUNK)
         else:
-            part = _int4_unit_subtile(q, part, x_ptr, s_ptr, m_ptr, s_off, n_mask, ks, K, n_groups, k_of_input,
-                                      GROUP, BLOCK_N, C, CHUNK)
+            part = _int4_unit_subtile(q, part, x_ptr, scale, low, ks, K, k_of_input, BLOCK_N, C, CHUNK)
     pdl_release(PDL)
     y = tl.sum(part, 1)
     if INT8 and GROUP == 0:
