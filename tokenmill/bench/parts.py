@@ -5,7 +5,10 @@ A kernel profile (`bench profile`) adds up kernel times; with programmatic depen
 overlap, so a kernel's time is not what removing it would save. Skipping says that directly: the attention returns
 q, the norms return their input, SiLU·mul returns the gate half, a projection returns its residual (o, down) or a
 zero buffer (qkv, gate/up). The text generated is then wrong; only the speed is measured. All variants run in one
-engine, interleaved over --rounds, so they share the machine's state."""
+engine, interleaved over --rounds, so they share the machine's state. A skipped kernel also moves the launch of the
+one after it (each is launched when the one before releases it): skipping the norms measured slower than the full
+step on an H100, while the norm kernels running with their outputs unused measured as fast as it
+(docs/BENCHMARKS.md, 2026-12-07), so a negative saving says where the next kernel's launch timing matters."""
 from __future__ import annotations
 
 import argparse
