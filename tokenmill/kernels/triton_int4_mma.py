@@ -55,6 +55,10 @@ class MmaGemvConfig:
     # that many, so a split grid runs in one wave where programs_per_sm is the ring kernel's residency)
     split_k: int = 0
     stages: int = 0  # spans of weights in flight in a TMA ring in shared memory (sm_90+); 0: loads to registers
+    # a TMA ring whose grid is resident at once (one wave; Llama-3-8B's gate/up: 448 programs that fit 7 a
+    # multiprocessor by registers) releases the next kernel right after its PDL wait, not after its loop: no
+    # program of its own is left to launch, so the next kernel's take only the room these leave (TMA rings only)
+    release_early: bool = False
 
     @property
     def block_n(self) -> int:
@@ -73,15 +77,17 @@ class MmaGemvConfig:
 # and 2 stages (batch 1 500.1 against 493.9 for both on the GEMV's and the 3-stage ring's earlier choices); a
 # vocabulary-sized LM head (VOCAB_N rows or more: many waves, so no split and programs of one tile a warp, 79% of
 # copy against 66-70% at two; H100, down and LM head together 455.4 tokens/s against 451.5). o (square) stays on the
-# CUDA-core GEMV (triton_gemv.py): on a ring it lost (486.6). Without TMA, wide and deep matrices take the
-# register-fed kernel below (gate/up 28.3 us against the GEMV's 32.4, down 16.3 against 17.2); anything smaller than
-# 2^24 weights stays on the GEMV.
+# CUDA-core GEMV (triton_gemv.py): on a ring it lost (486.6). The one-wave rings (all but the LM head's) release
+# the next kernel right after their wait: its programs are resident, their first copies issued, when the last of
+# the ring's ends (down began 1.0 us after gate/up's last program; H100, batch 1 475.5 tokens/s against 465.6).
+# Without TMA, wide and deep matrices take the register-fed kernel below (gate/up 28.3 us against the GEMV's 32.4,
+# down 16.3 against 17.2); anything smaller than 2^24 weights stays on the GEMV.
 MMA_CFG = MmaGemvConfig(tiles=2, num_warps=4, programs_per_sm=3)
 ROW_WIDE_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=1)
-ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=3, stages=4)
+ROW_WIDE_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=3, stages=4, release_early=True)
 ROW_DEEP_CFG = MmaGemvConfig(tiles=4, num_warps=4, programs_per_sm=2)
-ROW_DEEP_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=6, stages=2)
-ROW_TALL_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=6, stages=2)
+ROW_DEEP_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=6, stages=2, release_early=True)
+ROW_TALL_TMA_CFG = MmaGemvConfig(tiles=2, num_warps=2, programs_per_sm=6, stages=2, release_early=True)
 ROW_VOCAB_TMA_CFG = MmaGemvConfig(tiles=1, num_warps=2, programs_per_sm=3, stages=4)
 VOCAB_N = 65536  # rows from which one row of a matrix (an LM head) runs in many waves
 
@@ -504,7 +510,7 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
                          GROUP: gl.constexpr, EVEN_K: gl.constexpr, EVEN_N: gl.constexpr, HAS_BIAS: gl.constexpr,
                          HAS_RESIDUAL: gl.constexpr, SPLITS: gl.constexpr, TILES: gl.constexpr, COLS: gl.constexpr,
                          WARPS: gl.constexpr, PAIR: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-                         PDL: gl.constexpr):
+                         RELEASE_EARLY: gl.constexpr, PDL: gl.constexpr):
     """_int4_mma_kernel with the weights copied by TMA into a ring of STAGES spans in shared memory: the copies
     in flight hold no registers. w_desc: the packed weight as 32-bit words, [BLOCK_N, GROUP / 8] a block. A
     stage's rows map to threads as [rows g or g + 8, tiles, threads, words], so thread (w, l) of tile i reads
@@ -517,7 +523,7 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     HALF are compile-time constants and, with EVEN_N (no program has rows past N), a thread's scales and mins lie
     at constant offsets from its program's first row's: all of a span's loads take one address and an immediate
     each (down 138 registers against 158; H100, down alone 14.3 us against 14.9, batch 1 474.8 tokens/s against
-    466.2, docs/BENCHMARKS.md)."""
+    466.2, docs/BENCHMARKS.md). RELEASE_EARLY: MmaGemvConfig.release_early."""
     WPT: gl.constexpr = GROUP // 32
     L4: gl.constexpr = gl.BlockedLayout([1, TILES, COLS, WPT], [32, 1, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
     LA: gl.constexpr = gl.SliceLayout(2, L4)
@@ -572,6 +578,8 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
     last = k_lo + (n_spans - 1) * GROUP
     if PDL:
         gdc_wait()
+        if RELEASE_EARLY:
+            gdc_launch_dependents()
     side_a = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k, k_lo, K, GROUP, EVEN_K)
     for i in range(0, n_spans, 2):  # two spans a step: each one's side loads fly while the other is multiplied
         side_b = _load_side(s_rows_g, s_rows_h, m_rows_g, m_rows_h, x_run, xw_k,
@@ -585,7 +593,7 @@ def _int4_mma_tma_kernel(x_ptr, w_desc, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, par
             wg, wh = _ring_span(w_desc, ring, bars, i + 1, n_spans, row0, row_h, col0, T, TILES, WPT, STAGES,
                                 SPAN_WORDS, BLOCK_N, LA, FLAT, GATED)
             p0, p1, p2, p3 = _span_mma((wg, wh) + side_b, p0, p1, p2, p3, LB, PAIR)
-    if PDL:
+    if PDL and not RELEASE_EARLY:
         gdc_launch_dependents()
     _finish(p0, p1, p2, p3, rows_g, rows_h, lane, b_ptr, r_ptr, out_ptr, part_ptr, counter_ptr, M, N, HALF,
             HAS_BIAS, HAS_RESIDUAL, SPLITS, COLS, PAIR, GATED, LP)
@@ -659,7 +667,8 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
         even_n = half % (cfg.block_n // 2) == 0 if silu_and_mul_out else n % cfg.block_n == 0
         _int4_mma_tma_kernel[(row_tiles, split)](x2.view(torch.int32), desc, scales, mins, *args, k // 2,
-                                                 scales.stride(0), half, EVEN_N=even_n, STAGES=cfg.stages, **consts)
+                                                 scales.stride(0), half, EVEN_N=even_n, STAGES=cfg.stages,
+                                                 RELEASE_EARLY=cfg.release_early, **consts)
     else:
         _int4_mma_kernel[(row_tiles, split)](x2.view(torch.int32), qweight.view(torch.int32), scales, mins, *args,
                                              qweight.stride(0) // 4, k // 2, scales.stride(0), half, **consts)
