@@ -70,3 +70,18 @@ def test_missing_file_and_bad_revision(tmp_path):
         load_variant_module("tokenmill.kernels.torch_ref", str(tmp_path / "none.py"), tmp_path)
     with pytest.raises(ValueError, match="git show no-such-rev"):
         load_variant_module("tokenmill.kernels.torch_ref", "git:no-such-rev", tmp_path)
+
+
+def test_shared_values_and_other_names_are_not_rebound(tmp_path, monkeypatch):
+    """A None (or number, or string) the variant changes, and an object held under another name, keep the tree's
+    binding: the identity of an interned value says nothing about where it came from."""
+    monkeypatch.setattr(torch_ref, "_VARIANT_TEST", None, raising=False)
+    (tmp_path / "v.py").write_text(TORCH_REF.read_text() + "\n\n_VARIANT_TEST = 'changed'\n")
+    variant = load_variant_module("tokenmill.kernels.torch_ref", str(tmp_path / "v.py"), tmp_path)
+    engine = build_engine(EngineArgs(load_format="dummy", model_preset="tiny-llama"))
+    ops = engine.runner.model.model.layers[0].mlp.gate_up_proj.ops
+    ops._VARIANT_TEST = None
+    ops.other_name = torch_ref.silu_and_mul
+    with swapped({"tokenmill.kernels.torch_ref": variant}, engine.runner.model):
+        assert ops.silu_and_mul is variant.silu_and_mul
+        assert ops._VARIANT_TEST is None and ops.other_name is torch_ref.silu_and_mul

@@ -7,8 +7,9 @@ and every variant runs in each round. A variant also generates one greedy answer
 repeated prompt served from the cache would run its last token through other kernels), so a change meant to keep
 the bits can be checked against the tree's tokens.
 
-A swap rebinds every reference to the module's top-level objects held by tokenmill's modules and by the layers'
-kernel sets (`get_ops`); objects built from the tree's module before the swap (a layer's weights, say) stay.
+A swap rebinds every reference to the module and, by name, to its top-level functions, classes and objects held
+by tokenmill's modules and by the layers' kernel sets (`get_ops`); objects built from the tree's module before the
+swap (a layer's weights, say) stay, and so do numbers and strings imported by name.
 
     tokenmill bench variants --load-format dummy --model-preset llama-3-8b --quantization int4 --async-scheduling \\
         --variant base:tokenmill.kernels.triton_int4_mma:git:HEAD~1 \\
@@ -37,6 +38,7 @@ from tokenmill.engine.arg_utils import check_at_least, engine_args_from
 from tokenmill.sampling_params import SamplingParams
 
 TREE = "tree"
+SHARED_VALUES = (type(None), bool, int, float, str, bytes)  # interned objects: their identity says nothing
 COLUMNS: list[Column] = [("variant", "variant"), ("tokens_per_s", "tok/s"), ("vs_tree", "vs tree"),
                          ("same_tokens", "same tokens as tree")]
 
@@ -74,23 +76,27 @@ def load_variant_module(module: str, source: str, workdir: Path) -> ModuleType:
 
 @contextlib.contextmanager
 def swapped(replacements: dict[str, ModuleType], model: nn.Module) -> Iterator[None]:
-    """Every reference to a replaced module, or to one of its top-level objects that the replacement also
-    defines, rebound to the replacement's until the block exits: in tokenmill's modules and the layers' `ops`."""
-    targets: dict[int, Any] = {}
+    """Every reference to a replaced module, or by the same name to one of its top-level objects that the
+    replacement also defines, rebound to the replacement's until the block exits: in tokenmill's modules and the
+    layers' `ops`. Numbers, strings and None are shared objects, never rebound: a constant imported by name keeps
+    the tree's value, so a variant changes the code that uses it."""
+    modules: dict[int, ModuleType] = {}
+    objects: dict[tuple[str, int], Any] = {}  # (name, id of the tree's object) -> the replacement's
     for name, new in replacements.items():
         old = sys.modules[name]
-        targets[id(old)] = new
+        modules[id(old)] = new
         for attr, value in vars(old).items():
-            if not attr.startswith("__") and hasattr(new, attr):
-                targets[id(value)] = getattr(new, attr)
+            if not attr.startswith("__") and hasattr(new, attr) and not isinstance(value, SHARED_VALUES):
+                objects[attr, id(value)] = getattr(new, attr)
     holders = [m for n, m in list(sys.modules.items()) if n.startswith("tokenmill") and n not in replacements]
     holders += [m.ops for m in model.modules() if isinstance(getattr(m, "ops", None), SimpleNamespace)]
     undo = []
     for holder in holders:
         for attr, value in list(vars(holder).items()):
-            if id(value) in targets and not attr.startswith("__"):
+            new_value = modules.get(id(value), objects.get((attr, id(value))))
+            if new_value is not None and not attr.startswith("__"):
                 undo.append((holder, attr, value))
-                setattr(holder, attr, targets[id(value)])
+                setattr(holder, attr, new_value)
     try:
         yield
     finally:
