@@ -35,6 +35,7 @@ from tokenmill.bench.common import (Column, add_common_args, build_engine, clock
 from tokenmill.bench.latency import decode_speed
 from tokenmill.bench.workloads import random_prompt
 from tokenmill.engine.arg_utils import check_at_least, engine_args_from
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 TREE = "tree"
@@ -104,7 +105,7 @@ def swapped(replacements: dict[str, ModuleType], model: nn.Module) -> Iterator[N
             setattr(holder, attr, value)
 
 
-def batch_speed(engine, batch_size: int, input_len: int, output_len: int, seed: int) -> float:
+def batch_speed(engine: LLMEngine, batch_size: int, input_len: int, output_len: int, seed: int) -> float:
     """Tokens/s of batch_size requests of input_len + output_len tokens run together, prefill included."""
     vocab = engine.model_config.vocab_size
     prompts = [random_prompt(input_len, vocab, seed * 1000 + i) for i in range(batch_size)]
