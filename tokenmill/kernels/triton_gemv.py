@@ -59,6 +59,7 @@ class GemvConfig:
     chunk: int = 16  # unit: bytes of a row summed in one thread before the group's scale applies to them
     ahead: int = 1  # unit: sub-tiles loaded ahead of the one being summed (1 or 2)
     early: bool = False  # unit: the first sub-tiles load before the PDL wait (weights: no kernel of a step writes them)
+    release_early: bool = False  # unit: release the next kernel right after the PDL wait, not after the loop
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "chunk"):
@@ -82,14 +83,18 @@ class GemvConfig:
 # (90% of copy) against 35.2 with "bits", down 18.0 against 18.7. qkv and o lost on "unit" alone (10.1-16.8 and
 # 7.7-10.7 us against 10.4 and 7.0), but with `early` the gate/up tile serves them too: batch-1 INT8 decode 399.0
 # tokens/s against 396.1 (64 rows: 390.9; 32 rows and 2 or 8 programs a multiprocessor: 395.5, 384.5). "bits"
-# stays for float32 activations and rows "unit" cannot load as 16-byte words.
+# stays for float32 activations and rows "unit" cannot load as 16-byte words. `release_early` (2026-12-07, H100,
+# one engine, interleaved): batch-1 INT8 decode 333.6 tokens/s against 324.1, batch 8 unchanged; on INT4's o
+# (INT4_SQUARE_CFG) it lost 7% (448.5 against 482.0), so INT4 keeps the release after the loop.
 DENSE_CFG = GemvConfig(8, 512, num_warps=4, dequant="cvt", programs_per_sm=2)  # cvt: nothing to dequantize
 DENSE_WIDE_CFG = GemvConfig(16, 256, num_warps=4, dequant="cvt", programs_per_sm=2)
 DENSE_DEEP_CFG = GemvConfig(4, 512, num_warps=8, dequant="cvt", programs_per_sm=2)
-INT8_CFG = GemvConfig(32, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True)
+INT8_CFG = GemvConfig(32, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True,
+                      release_early=True)
 INT8_WIDE_CFG = INT8_CFG
 INT8_BITS_CFG = GemvConfig(4, 1024, num_warps=4, dequant="bits", programs_per_sm=1)
-INT8_DEEP_CFG = GemvConfig(64, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True)
+INT8_DEEP_CFG = GemvConfig(64, 256, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, early=True,
+                           release_early=True)
 INT4_CFG = GemvConfig(256, 128, num_warps=8, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_WIDE_CFG = GemvConfig(256, 128, num_warps=4, dequant="unit", programs_per_sm=2, chunk=16)
 INT4_DEEP_CFG = GemvConfig(128, 128, num_warps=4, dequant="unit", programs_per_sm=4, chunk=16, ahead=2)
@@ -310,12 +315,13 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
                  k_per_split, stride_wb, stride_sn,
                  INT8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
-                 AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                 AHEAD: tl.constexpr, EARLY: tl.constexpr, RELEASE_EARLY: tl.constexpr, PDL: tl.constexpr):
     """INT4 or INT8 with "unit" dequantization (module docstring). w_ptr is the weight as 32-bit words, stride_wb
     its row stride in 16-byte blocks: as bytes, a tile carried from one step to the next is re-packed at every
     use. Words, scales and mins are loaded AHEAD sub-tiles ahead, so each program keeps one or two sub-tiles in
-    flight while it sums the one before; with EARLY the first ones load before the PDL wait. INT8 with GROUP 0
-    has one scale a row (per channel), applied to the row's sum."""
+    flight while it sums the one before; with EARLY the first ones load before the PDL wait, with RELEASE_EARLY
+    the next kernel is released right after it. INT8 with GROUP 0 has one scale a row (per channel), applied to
+    the row's sum."""
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N)[:, None]
@@ -343,6 +349,8 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
         nxt2_s, nxt2_m = _unit_params(s_ptr, m_ptr, s_off, n_mask, k_lo + SUB, n_groups, INT8, GROUP)
     if EARLY:
         pdl_wait(PDL)
+    if RELEASE_EARLY:
+        pdl_release(PDL)
     for ks in range(k_lo, k_hi, SUB):
         q = nxt
         scale = nxt_s
@@ -360,7 +368,8 @@ def _unit_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
             part = _int8_unit_subtile(q, part, x_ptr, scale, ks, K, k_of_input, GROUP, BLOCK_N, C, CHUNK)
         else:
             part = _int4_unit_subtile(q, part, x_ptr, scale, low, ks, K, k_of_input, BLOCK_N, C, CHUNK)
-    pdl_release(PDL)
+    if not RELEASE_EARLY:
+        pdl_release(PDL)
     y = tl.sum(part, 1)
     if INT8 and GROUP == 0:
         y = y * tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -524,7 +533,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
                            w.stride(0) // 16, s.stride(0), INT8=kind == INT8, GROUP=group_k, HAS_BIAS=bias is not None,
                            HAS_RESIDUAL=residual is not None, SPLITS=split, BLOCK_N=cfg.block_n, SUB=sub,
                            CHUNK=min(cfg.chunk, sub if kind == INT8 else sub // 2), AHEAD=cfg.ahead,
-                           EARLY=cfg.early, num_warps=cfg.num_warps, num_stages=1, **pdl)
+                           EARLY=cfg.early, RELEASE_EARLY=cfg.release_early, num_warps=cfg.num_warps,
+                           num_stages=1, **pdl)
     else:
         _gemv_kernel[grid](x1, w, s, m, b, r, out, part, counter, n, k, n_groups, k_per_split, w.stride(0),
                            s.stride(0), 0.0 if rms_eps is None else rms_eps,

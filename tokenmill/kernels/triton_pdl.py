@@ -16,7 +16,8 @@ The contract, for every kernel launched with `launch_pdl=True` (PDL constexpr se
 - `pdl_release` lets the next kernel be scheduled: small kernels call it first thing, GEMVs after their main
   loop. So a run of small kernels and the GEMV after them are resident together (each waiting for the one
   before), while a GEMV's own programs never compete with waiting ones before its last wave. The one-row INT4
-  rings, whose programs are all resident at once, release right after their wait (MmaGemvConfig.release_early).
+  rings, whose programs are all resident at once, and INT8's "unit" GEMVs release right after their wait
+  (MmaGemvConfig.release_early, GemvConfig.release_early).
 
 TOKENMILL_PDL=0 turns it off, so a benchmark can measure what it gains."""
 from __future__ import annotations
