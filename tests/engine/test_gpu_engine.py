@@ -166,10 +166,14 @@ def test_short_prefills_compile_no_attention_kernel_after_startup(model_dir):
     assert not [c for c in compiled if c.startswith("_prefill_kernel")], compiled
 
 
-def test_fp8_kv_cache_graphs_match_eager(monkeypatch):
-    """An e4m3 KV cache at head dim 128 decodes with triton_fp8_decode's kernel, and CUDA-graph decode gives eager's
-    tokens."""
-    from tokenmill.kernels import triton_fp8_decode
+@pytest.mark.parametrize("fused", [True, False], ids=["one_launch", "fp8_decode"])
+def test_fp8_kv_cache_graphs_match_eager(monkeypatch, fused):
+    """An e4m3 KV cache at head dim 128 decodes a small batch in one launch with the step's rotary and cache write
+    (triton_attention.fuses_rope), and a full one (here: with the small-batch regime switched off) with
+    triton_fp8_decode's kernel after them; CUDA-graph decode gives eager's tokens either way."""
+    from tokenmill.kernels import triton_attention, triton_fp8_decode
+    if not fused:
+        monkeypatch.setitem(triton_attention.DECODE_CFG, "early_pairs_per_sm", 0)
     calls = []
     kernel = triton_fp8_decode.fp8_decode
     monkeypatch.setattr(triton_fp8_decode, "fp8_decode", lambda *args: calls.append(1) or kernel(*args))
@@ -184,4 +188,4 @@ def test_fp8_kv_cache_graphs_match_eager(monkeypatch):
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     del llm
     release()
-    assert graphed == eager and calls
+    assert graphed == eager and bool(calls) != fused

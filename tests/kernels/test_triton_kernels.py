@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from paged_cases import as_e4m3, make_case, reference_attention, rel_err  # noqa: E402
-from tokenmill.kernels import OP_NAMES, get_ops, torch_ref, triton_ops  # noqa: E402
+from tokenmill.kernels import OP_NAMES, get_ops, torch_ref, triton_attention, triton_ops  # noqa: E402
 from tokenmill.kernels.triton_arrive import counters
 
 # torch.empty returns NaN-filled memory: an output element a kernel never writes fails the comparison
@@ -293,6 +293,55 @@ def test_decode_attention_rotates_writes_and_attends(batch: int, max_ctx: int, b
     untouched[at] = False
     for after, before in ((k_cache, before_k), (v_cache, before_v)):
         assert torch.equal(after[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
+    assert counters(out.device, batch * num_kv_heads).count_nonzero() == 0
+
+
+# batch, longest context, block size, query heads, kv heads, head dim, block table width (0: as needed)
+DECODE_ROPE_E4M3 = [
+    (1, 1, 16, 8, 8, 64, 0),             # only the new token
+    (1, 150, 16, 32, 8, 128, 512),       # batch 1 as a CUDA-graph runner sees it
+    (1, 1100, 16, 32, 8, 128, 512),      # a short context split into 128-token partitions
+    (1, 4000, 16, 32, 8, 128, 0),        # partitions merged
+    (16, 300, 8, 64, 8, 128, 0),         # GQA 8, 128 (sequence, KV head) pairs: still one launch on 132 SMs
+    (64, 1100, 16, 32, 8, 128, 0),       # a full batch: rope_and_cache, then triton_fp8_decode
+]
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9), reason="e4m3 conversions need sm_89 or later")
+@pytest.mark.parametrize("batch,max_ctx,block_size,num_heads,num_kv_heads,head_dim,width", DECODE_ROPE_E4M3,
+                         ids=_ids)
+def test_decode_attention_on_e4m3_cache(batch: int, max_ctx: int, block_size: int, num_heads: int,
+                                        num_kv_heads: int, head_dim: int, width: int) -> None:
+    """A decode step on an e4m3 cache (kv_cache_dtype="fp8"; one launch in small batches, fuses_rope) writes
+    the very bits rope_and_cache writes, touches no other byte, and attends as float64 attention over the values
+    the cache then holds."""
+    rng = random.Random(batch * max_ctx + head_dim)
+    seq_lens = [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
+    case = as_e4m3(make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, BF16, "cuda",
+                             seed=batch + max_ctx, garbage=float("nan"), table_width=width))
+    q, k, v = _fused_qkv(batch, num_heads, num_kv_heads, head_dim, BF16)
+    positions = case.seq_lens.long() - 1
+    tables = case.block_tables.long()
+    slots = tables[torch.arange(batch, device="cuda"), positions // block_size] * block_size + positions % block_size
+    at = (slots // block_size, slots % block_size)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    for cache in (k_cache, v_cache):  # float8 tensors index through a byte view; 0x7F is e4m3's NaN
+        cache.view(torch.uint8)[at] = 0x7F
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    cos_sin = _cos_sin(head_dim, max_ctx)
+    out = triton_ops.decode_attention(positions, q, k, v, cos_sin, k_cache, v_cache, slots, case.query_start_loc,
+                                      case.seq_lens, case.block_tables, case.scale)
+    q_rot = triton_ops.rope_and_cache(positions, q, k, v, cos_sin, k_two, v_two, slots)
+
+    small = batch * num_kv_heads <= torch.cuda.get_device_properties(0).multi_processor_count
+    assert triton_attention.fuses_rope(q, k_cache) == small
+    assert torch.equal(k_cache.view(torch.uint8), k_two.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_two.view(torch.uint8))
+    k_new, v_new = (cache.view(torch.uint8)[at].view(cache.dtype).double().cpu() for cache in (k_cache, v_cache))
+    keys = [torch.cat((old[:n - 1], k_new[i:i + 1])) for i, (old, n) in enumerate(zip(case.keys, seq_lens))]
+    values = [torch.cat((old[:n - 1], v_new[i:i + 1])) for i, (old, n) in enumerate(zip(case.values, seq_lens))]
+    ref = reference_attention(dataclasses.replace(case, q=q_rot, keys=keys, values=values))
+    assert out.dtype == BF16 and rel_err(out, ref) < TOL[BF16]
     assert counters(out.device, batch * num_kv_heads).count_nonzero() == 0
 
 

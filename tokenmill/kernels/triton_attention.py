@@ -40,15 +40,21 @@ PREFILL_QUERY_TILES = (16, 32, 64, 128)
 
 
 @triton.jit
-def _kv_tile(ptrs, mask, DTYPE: tl.constexpr):
-    """A K or V tile as DTYPE. An e4m3 cache is converted by PTX that Triton cannot move: left to itself the
-    compiler converts after moving the bytes into the dot's layout, one shared-memory byte load an element."""
-    if ptrs.dtype.element_ty == tl.float8e4nv:
-        raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.uint8, bitcast=True)
+def _as(tile, DTYPE: tl.constexpr):
+    """A K or V tile in the cache's dtype as DTYPE. An e4m3 tile is converted by PTX that Triton cannot move:
+    left to itself the compiler converts after moving the bytes into the dot's layout, one shared-memory byte
+    load an element."""
+    if tile.dtype == tl.float8e4nv:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4).to(DTYPE)
-    return tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
+            "=r,=r,r", [tile.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4).to(DTYPE)
+    return tile.to(DTYPE)
+
+
+@triton.jit
+def _kv_tile(ptrs, mask, DTYPE: tl.constexpr):
+    """A K or V tile loaded as DTYPE (_as)."""
+    return _as(tl.load(ptrs, mask=mask, other=0.0), DTYPE)
 
 
 @triton.jit
@@ -169,8 +175,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     if ROPE:  # the new token first (q is still in its load layout), by the program whose partition holds it
         if (end == ctx) & (ctx > 0):
+            # as a later step reads it back, rounded as rope_and_cache rounds it: to k's dtype, then the cache's
             k_new = _rotate(k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh, offs_d, d_mask, cos, sin,
-                            HEAD_DIM // 2).to(k_cache_ptr.dtype.element_ty)  # as a later step reads it back
+                            HEAD_DIM // 2).to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
             v_new = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + offs_d, mask=d_mask,
                             other=0.0).to(v_cache_ptr.dtype.element_ty)
             slot = tl.load(slot_ptr + seq).to(tl.int64)
@@ -182,7 +189,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
             acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32) + v_new.to(tl.float32)[None, :]
     for t0 in range(start, cached_end, TILE_N):
         if EARLY:
-            k, v, n_mask = k_nxt.to(q.dtype), v_nxt.to(q.dtype), n_nxt
+            k, v, n_mask = _as(k_nxt, q.dtype), _as(v_nxt, q.dtype), n_nxt
             k_nxt, v_nxt, n_nxt = _kv_raw(k_cache_ptr, v_cache_ptr, table, t0 + TILE_N, cached_end, kv_head, offs_d,
                                           d_mask, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE_N)
         else:
@@ -385,6 +392,21 @@ class _Rope(NamedTuple):
     slot_mapping: torch.Tensor
 
 
+def _small_batch(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """At most early_pairs_per_sm (sequence, KV head) pairs a multiprocessor: _decode_kernel's EARLY regime."""
+    return num_seqs * num_kv_heads <= DECODE_CFG["early_pairs_per_sm"] * num_sms(device.index or 0)
+
+
+def fuses_rope(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a decode step on this cache takes decode_attention_rope: a 16- or 32-bit float cache always; an
+    e4m3 one in small batches (EARLY), where one kernel boundary less on the critical path is the gain, while
+    full batches read an e4m3 cache faster in triton_fp8_decode after rope_and_cache. An int8 cache never (its
+    scales are written by triton_kv_quant)."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        return _small_batch(q.shape[0], k_cache.shape[2], q.device)
+    return k_cache.is_floating_point() and k_cache.element_size() > 1
+
+
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, out: torch.Tensor, rope: _Rope | None = None) -> None:
     """Split each context into fixed partitions (count from static shapes only: graph-capturable), attend per
@@ -410,7 +432,7 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # (batch-1 decode, H200, 2026-12-06: INT4 467.1 tokens/s against 458.3, INT8 412.2 against 404.5, bf16 252.0
     # against 249.9; fixed 64-token partitions lost on an H100 at 3000-token contexts and at batch 8)
     pairs = num_seqs * num_kv_heads
-    early = rope is not None and pairs <= DECODE_CFG["early_pairs_per_sm"] * sms
+    early = rope is not None and _small_batch(num_seqs, num_kv_heads, q.device)
     short_parts = min(DECODE_CFG["short_parts"], max(sms // pairs, 1)) if early else 1
     num_parts = max(triton.cdiv(max_ctx, partition), short_parts, 1)
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -446,10 +468,10 @@ def decode_attention_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
                           scale: float) -> torch.Tensor:
     """One query per sequence: rotary on q and the new k, k and v written at slot_mapping, attention over the
     cache and the new token, in one launch (torch_ref.decode_attention: rope_and_cache, then paged_attention).
-    The cache must hold q's kind of floats (quantized caches take the two-kernel path, triton_ops)."""
+    The cache holds floats: 16 or 32 bits, or e4m3 (an int8 cache takes the two-kernel path, triton_ops)."""
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     assert k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride() and k_cache.is_floating_point()
-    assert k_cache.element_size() > 1 and q.shape[-1] % 2 == 0
+    assert q.shape[-1] % 2 == 0
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0]:
         _paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out,

@@ -65,9 +65,9 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One launch where the cache holds 16- or 32-bit floats; quantized caches rotate and write in their own
-    kernel first."""
-    if k_cache.element_size() == 1:
+    """One launch where triton_attention.fuses_rope says so (float caches; e4m3 in small batches); otherwise the
+    rotary and cache write in their own kernel first."""
+    if not triton_attention.fuses_rope(q, k_cache):
         q = rope_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
         return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1)
     return triton_attention.decode_attention_rope(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
