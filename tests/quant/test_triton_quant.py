@@ -1,10 +1,11 @@
 """Quantized kernels on the GPU against their torch twins (skipped without CUDA): the packed-weight matmul on
 many shapes (odd N and K, K not a multiple of 128, batches 1-64, both launch paths, split-K), the int8 KV
-cache write and attention, the fp8 cache through the float kernels, and the default model end to end
-(CUDA graphs on): INT4 g128 GPTQ KL, greedy text with every weight / KV combination."""
+cache write and attention (a decode step's in one launch), the fp8 cache through the float kernels, and the
+default model end to end (CUDA graphs on): INT4 g128 GPTQ KL, greedy text with every weight / KV combination."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -111,6 +112,48 @@ def test_int8_kv_attention(seq_lens, query_lens, heads, kv_heads, head_dim, bloc
     contiguous = triton_ops.paged_attention(q, _int8_cache(case.k_cache, False), _int8_cache(case.v_cache, False),
                                             *args)
     assert torch.equal(got, contiguous)
+
+
+# batch, longest context, block size, query heads, KV heads, head dim, q's dtype, block table width (0: as needed)
+DECODE_INT8 = [
+    (1, 1, 16, 8, 8, 64, torch.bfloat16, 0),        # only the new token
+    (1, 150, 16, 32, 8, 128, torch.bfloat16, 512),  # batch 1 as a CUDA-graph runner sees it, a short context split
+    (1, 4000, 16, 32, 8, 128, torch.bfloat16, 0),   # partitions merged
+    (3, 700, 32, 32, 4, 128, torch.float32, 0),
+    (16, 300, 8, 64, 8, 128, torch.bfloat16, 0),    # GQA 8
+    (64, 1100, 16, 32, 8, 128, torch.bfloat16, 0),  # a full batch: partitions read after the wait
+    (40, 64, 16, 4, 4, 96, torch.float32, 0),       # a head dim that is not a power of two
+]
+
+
+@pytest.mark.parametrize("batch,max_ctx,block_size,heads,kv_heads,head_dim,dtype,width", DECODE_INT8)
+def test_int8_kv_decode_step(batch: int, max_ctx: int, block_size: int, heads: int, kv_heads: int, head_dim: int,
+                             dtype: torch.dtype, width: int) -> None:
+    """A decode step on an int8 cache rotates, quantizes and writes the new token and attends in one launch: the
+    cache bytes equal those rope_and_cache's kernels write (rotary, then the int8 writer) everywhere, and the
+    output matches float64 attention over the cache then dequantized."""
+    rng = random.Random(batch * max_ctx + head_dim)
+    seq_lens = [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
+    case = make_case(seq_lens, [1] * batch, heads, kv_heads, head_dim, block_size, torch.float32, "cuda",
+                     seed=batch + max_ctx, table_width=width)
+    k_cache, v_cache = _int8_cache(case.k_cache, True), _int8_cache(case.v_cache, True)
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    q, k, v = (torch.randn(batch, h, head_dim, device="cuda", generator=gen, dtype=dtype) * 2
+               for h in (heads, kv_heads, kv_heads))
+    positions = case.seq_lens.long() - 1
+    tables = case.block_tables.long()
+    slots = tables[torch.arange(batch, device="cuda"), positions // block_size] * block_size + positions % block_size
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    freqs = torch.arange(max_ctx, device="cuda").float()[:, None] * inv[None]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1)
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    out = triton_ops.decode_attention(positions, q, k, v, cos_sin, k_cache, v_cache, slots, case.query_start_loc,
+                                      case.seq_lens, case.block_tables, case.scale)
+    q_rot = triton_ops.rope_and_cache(positions, q, k, v, cos_sin, k_two, v_two, slots)
+    assert torch.equal(k_cache, k_two) and torch.equal(v_cache, v_two)
+    want = torch_ref.paged_attention(q_rot.double(), k_two, v_two, case.query_start_loc, case.seq_lens,
+                                     case.block_tables, case.scale, 1)
+    assert out.dtype == dtype and rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("head_major", [True, False], ids=["head_major", "token_major"])

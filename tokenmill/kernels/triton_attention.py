@@ -88,21 +88,46 @@ def _kv_rows(table, t0, end, kv_head, table_cols, stride_cb, stride_ct, stride_c
 
 
 @triton.jit
-def _kv_raw(k_cache_ptr, v_cache_ptr, table, t0, end, kv_head, offs_d, d_mask, table_cols, stride_cb, stride_ct,
-            stride_ch, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """The K and V tiles of tokens t0 .. t0 + TILE_N (before end) in the cache's dtype, and their token mask."""
+def _row_scales(k_scale_ptr, v_scale_ptr, kv_off, n_mask, HEAD_DIM: tl.constexpr):
+    """The float32 scales of int8 cache rows (at byte HEAD_DIM of each row; the pointers view the caches as
+    float32)."""
+    at = (kv_off + HEAD_DIM) // 4
+    return tl.load(k_scale_ptr + at, mask=n_mask, other=0.0), tl.load(v_scale_ptr + at, mask=n_mask, other=0.0)
+
+
+@triton.jit
+def _kv_raw(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, t0, end, kv_head, offs_d, d_mask,
+            table_cols, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            TILE_N: tl.constexpr):
+    """The K and V tiles of tokens t0 .. t0 + TILE_N (before end) in the cache's dtype, their rows' scales (an
+    int8 cache; otherwise the token mask again, unused) and their token mask."""
     kv_off, n_mask = _kv_rows(table, t0, end, kv_head, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
                               TILE_N)
     ptrs = kv_off[:, None] + offs_d[None, :]
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    return tl.load(k_cache_ptr + ptrs, mask=kv_mask, other=0.0), tl.load(v_cache_ptr + ptrs, mask=kv_mask, other=0.0), \
-        n_mask
+    k = tl.load(k_cache_ptr + ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + ptrs, mask=kv_mask, other=0.0)
+    k_scale = n_mask
+    v_scale = n_mask
+    if k_cache_ptr.dtype.element_ty == tl.int8:
+        k_scale, v_scale = _row_scales(k_scale_ptr, v_scale_ptr, kv_off, n_mask, HEAD_DIM)
+    return k, v, k_scale, v_scale, n_mask
+
+
+@triton.jit
+def quantize_int8_rows(x, AXIS: tl.constexpr):
+    """Rows (along AXIS, the last) of float32 x as int8 with a scale each (amax / 127, rounded half away from
+    zero: quant_ref.quantize_kv_int8): (values, scales)."""
+    scale = tl.max(tl.abs(x), AXIS) / 127.0
+    q = x * tl.expand_dims(tl.where(scale > 0, 1.0 / scale, 0.0), AXIS)
+    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))
+    return tl.clamp(q, -127.0, 127.0).to(tl.int8), scale
 
 
 @triton.jit(do_not_specialize=VARYING_ARGS + ("short_parts",))
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, counter_ptr,
-                   seq_lens_ptr, block_tables_ptr, k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
-                   scale_log2,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr, part_m_ptr,
+                   part_l_ptr, counter_ptr, seq_lens_ptr, block_tables_ptr, k_new_ptr, v_new_ptr, positions_ptr,
+                   cos_sin_ptr, slot_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                    table_cols, num_heads, num_kv_heads, num_parts, short_parts,
@@ -125,10 +150,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     finishes, and each next tile is loaded while the current one is summed. Small batches, where one program's
     chain of dependent loads is the whole kernel's time: there a context is also cut into up to short_parts
     partitions of whole tiles (never longer than PARTITION), so that a short one is read by several programs, one
-    tile each before their wait, instead of tile after tile by one."""
+    tile each before their wait, instead of tile after tile by one.
+
+    An int8 cache (kv_cache_dtype="int8"; k_scale_ptr and v_scale_ptr view it as float32, each row's scale at
+    byte HEAD_DIM) is never dequantized: int8 is exact in q's dtype, so QK^T runs on the raw values, each key's
+    scale multiplies its score and each value's its probability before P V (triton_kv_quant's kernel's
+    arithmetic); ROPE quantizes the new token's rows as triton_kv_quant's writer does."""
     pdl_release(PDL)
     if not EARLY:
         pdl_wait(PDL)
+    INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -157,8 +188,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     else:
         cached_end = end
     if EARLY:
-        k_nxt, v_nxt, n_nxt = _kv_raw(k_cache_ptr, v_cache_ptr, table, start, cached_end, kv_head, offs_d, d_mask,
-                                      table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE_N)
+        k_nxt, v_nxt, ks_nxt, vs_nxt, n_nxt = _kv_raw(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table,
+                                                      start, cached_end, kv_head, offs_d, d_mask, table_cols,
+                                                      stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N)
         pdl_wait(PDL)
     q_rows = q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
     q_mask = g_mask[:, None] & d_mask[None, :]
@@ -175,29 +207,49 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     if ROPE:  # the new token first (q is still in its load layout), by the program whose partition holds it
         if (end == ctx) & (ctx > 0):
-            # as a later step reads it back, rounded as rope_and_cache rounds it: to k's dtype, then the cache's
-            k_new = _rotate(k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh, offs_d, d_mask, cos, sin,
-                            HEAD_DIM // 2).to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+            # rounded to k's dtype first, as rope_and_cache (and its int8 twin) stores it before the cache's dtype
+            k_rot = _rotate(k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh, offs_d, d_mask, cos, sin,
+                            HEAD_DIM // 2).to(k_new_ptr.dtype.element_ty)
             v_new = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + offs_d, mask=d_mask,
-                            other=0.0).to(v_cache_ptr.dtype.element_ty)
+                            other=0.0)
             slot = tl.load(slot_ptr + seq).to(tl.int64)
-            c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + offs_d
-            tl.store(k_cache_ptr + c_off, k_new, mask=d_mask & (slot >= 0))
-            tl.store(v_cache_ptr + c_off, v_new, mask=d_mask & (slot >= 0))
-            m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2
+            c_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            if INT8:  # each row quantized with its own scale, stored at byte HEAD_DIM (triton_kv_quant's writer)
+                k_q, k_s = quantize_int8_rows(k_rot.to(tl.float32), 0)
+                v_q, v_s = quantize_int8_rows(v_new.to(tl.float32), 0)
+                tl.store(k_scale_ptr + (c_row + HEAD_DIM) // 4, k_s, mask=slot >= 0)
+                tl.store(v_scale_ptr + (c_row + HEAD_DIM) // 4, v_s, mask=slot >= 0)
+                k_val = k_q.to(tl.float32) * k_s
+                v_val = v_q.to(tl.float32) * v_s
+            else:
+                k_q = k_rot.to(k_cache_ptr.dtype.element_ty)
+                v_q = v_new.to(v_cache_ptr.dtype.element_ty)
+                k_val = k_q.to(tl.float32)
+                v_val = v_q.to(tl.float32)
+            tl.store(k_cache_ptr + c_row + offs_d, k_q, mask=d_mask & (slot >= 0))
+            tl.store(v_cache_ptr + c_row + offs_d, v_q, mask=d_mask & (slot >= 0))
+            m_i = tl.sum(q.to(tl.float32) * k_val[None, :], 1) * scale_log2
             l_i = tl.full([GROUP_PAD], 1.0, tl.float32)
-            acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32) + v_new.to(tl.float32)[None, :]
+            acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32) + v_val[None, :]
     for t0 in range(start, cached_end, TILE_N):
         if EARLY:
-            k, v, n_mask = _as(k_nxt, q.dtype), _as(v_nxt, q.dtype), n_nxt
-            k_nxt, v_nxt, n_nxt = _kv_raw(k_cache_ptr, v_cache_ptr, table, t0 + TILE_N, cached_end, kv_head, offs_d,
-                                          d_mask, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE_N)
+            k, v, k_scale, v_scale, n_mask = _as(k_nxt, q.dtype), _as(v_nxt, q.dtype), ks_nxt, vs_nxt, n_nxt
+            k_nxt, v_nxt, ks_nxt, vs_nxt, n_nxt = _kv_raw(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table,
+                                                          t0 + TILE_N, cached_end, kv_head, offs_d, d_mask,
+                                                          table_cols, stride_cb, stride_ct, stride_ch, HEAD_DIM,
+                                                          BLOCK_SIZE, TILE_N)
         else:
             kv_off, n_mask = _kv_rows(table, t0, cached_end, kv_head, table_cols, stride_cb, stride_ct, stride_ch,
                                       BLOCK_SIZE, TILE_N)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = _kv_tile(k_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if INT8:
+                k_scale, v_scale = _row_scales(k_scale_ptr, v_scale_ptr, kv_off, n_mask, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if INT8:  # int8 is exact in q's dtype: each key's scale multiplies its score, each value's its probability
+            qk = qk * (k_scale * scale_log2)[None, :]
+        else:
+            qk = qk * scale_log2
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -205,6 +257,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         l_i = l_i * alpha + tl.sum(p, 1)
         if not EARLY:
             v = _kv_tile(v_cache_ptr + kv_off[:, None] + offs_d[None, :], kv_mask, q.dtype)
+        if INT8:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if ctx <= part_len:  # the whole context in this program: no partials, no merge
@@ -398,13 +452,12 @@ def _small_batch(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool
 
 
 def fuses_rope(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether a decode step on this cache takes decode_attention_rope: a 16- or 32-bit float cache always; an
-    e4m3 one in small batches (EARLY), where one kernel boundary less on the critical path is the gain, while
-    full batches read an e4m3 cache faster in triton_fp8_decode after rope_and_cache. An int8 cache never (its
-    scales are written by triton_kv_quant)."""
+    """Whether a decode step on this cache takes decode_attention_rope: a 16- or 32-bit float cache and an int8
+    one always; an e4m3 one in small batches (EARLY), where one kernel boundary less on the critical path is the
+    gain, while full batches read an e4m3 cache faster in triton_fp8_decode after rope_and_cache."""
     if k_cache.dtype == torch.float8_e4m3fn:
         return _small_batch(q.shape[0], k_cache.shape[2], q.device)
-    return k_cache.is_floating_point() and k_cache.element_size() > 1
+    return True
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -448,9 +501,11 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_l = torch.empty_like(part_m)
         counter = counters(q.device, num_seqs * num_kv_heads)
     positions, k, v, cos_sin_cache, slot_mapping = rope or (seq_lens, q, q, q, seq_lens)  # unused without rope
+    int8 = k_cache.dtype == torch.int8
+    k_scales, v_scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if int8 else (k_cache, v_cache)
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
-        q, k_cache, v_cache, out, part_out, part_m, part_l, counter, seq_lens, block_tables, k, v, positions,
-        cos_sin_cache, slot_mapping, scale * _LOG2E,
+        q, k_cache, v_cache, k_scales, v_scales, out, part_out, part_m, part_l, counter, seq_lens, block_tables, k, v,
+        positions, cos_sin_cache, slot_mapping, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0), block_tables.shape[1],
@@ -468,10 +523,9 @@ def decode_attention_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
                           scale: float) -> torch.Tensor:
     """One query per sequence: rotary on q and the new k, k and v written at slot_mapping, attention over the
     cache and the new token, in one launch (torch_ref.decode_attention: rope_and_cache, then paged_attention).
-    The cache holds floats: 16 or 32 bits, or e4m3 (an int8 cache takes the two-kernel path, triton_ops)."""
+    The cache holds 16- or 32-bit floats, e4m3, or int8 rows with their scales (triton_kv_quant's layout)."""
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    assert k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride() and k_cache.is_floating_point()
-    assert q.shape[-1] % 2 == 0
+    assert k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride() and q.shape[-1] % 2 == 0
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0]:
         _paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out,

@@ -4,9 +4,11 @@ float kernels in triton_attention.py / triton_rope_cache.py read and write it as
 
 Writing quantizes each (token, head) row with its own amax. Attention never dequantizes a tile: int8 is exact
 in bf16/fp16/fp32, so QK^T runs on the raw values and each key's scale multiplies its score column, and each
-value's scale multiplies its probability column before P @ V. One kernel serves prefill and decode: a program
-takes BLOCK_R query rows of one KV head, rows being (token, query head of the group) pairs, so in decode the
-whole group shares every K/V tile it loads.
+value's scale multiplies its probability column before P @ V. The kernel here serves prefill (and decode steps
+where rotary and cache write ran apart): a program takes BLOCK_R query rows of one KV head, rows being (token,
+query head of the group) pairs, so in decode the whole group shares every K/V tile it loads. Decode steps take
+triton_attention's decode kernel, which reads an int8 cache the same way, in partitions, with the step's rotary
+and quantized cache write in the same launch.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_ref import KV_SCALE_BYTES
-from tokenmill.kernels.triton_attention import VARYING_ARGS
+from tokenmill.kernels.triton_attention import VARYING_ARGS, quantize_int8_rows
 from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
 _LOG2E = 1.4426950408889634
@@ -35,11 +37,9 @@ def _write_int8_kernel(x_ptr, cache_ptr, cache_f32_ptr, slot_ptr, stride_xt, str
         mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
         x = tl.load(x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        scale = tl.max(tl.abs(x), 1) / 127.0
-        q = x * tl.where(scale > 0, 1.0 / scale, 0.0)[:, None]
-        q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))
+        q, scale = quantize_int8_rows(x, 1)
         row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h * stride_ch
-        tl.store(cache_ptr + row[:, None] + offs_d[None, :], tl.clamp(q, -127.0, 127.0).to(tl.int8), mask=mask)
+        tl.store(cache_ptr + row[:, None] + offs_d[None, :], q, mask=mask)
         tl.store(cache_f32_ptr + (row + HEAD_DIM) // 4, scale, mask=offs_h < NUM_HEADS)
 
 

@@ -1,6 +1,7 @@
 """The Triton kernel set picked by get_ops on CUDA: every name in OP_NAMES, torch_ref's signatures.
-An int8 KV cache (its dtype says so) goes to the kernels of triton_kv_quant; every other cache dtype,
-fp8 included, to the float ones."""
+An int8 KV cache (its dtype says so) goes to the kernels of triton_kv_quant, except in decode steps (one launch in
+triton_attention for every cache dtype, e4m3 in small batches); every other cache dtype, fp8 included, to the
+float ones."""
 import torch
 
 from tokenmill.kernels import (
@@ -65,8 +66,8 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One launch where triton_attention.fuses_rope says so (float caches; e4m3 in small batches); otherwise the
-    rotary and cache write in their own kernel first."""
+    """One launch where triton_attention.fuses_rope says so (16- and 32-bit float and int8 caches; e4m3 in small
+    batches); otherwise the rotary and cache write in their own kernel first."""
     if not triton_attention.fuses_rope(q, k_cache):
         q = rope_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
         return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, 1)
