@@ -24,7 +24,7 @@ _LOG2E = 1.4426950408889634
 # batches, down to 256), tokens per loop step (fp32 inputs use 32), warps, pipeline stages; 1024/64/4/2 reads
 # 3.8-4.0 TB/s at 64 x 4096. Prefill: (element bytes, padded head dim) -> (query tile, key tile, warps, stages).
 DECODE_CFG = {"partition": 1024, "tile_n": 64, "num_warps": 4, "num_stages": 2, "early_pairs_per_sm": 1,
-              "short_parts": 16}
+              "early_pairs_per_sm_int8": 0.5, "short_parts": 16}
 # The block table's width changes from step to step; Triton would compile a kernel for each width that is 1, a
 # multiple of 16 or neither, seconds each, in the middle of a benchmark or a user's first requests.
 VARYING_ARGS = ("stride_bt", "table_cols")
@@ -446,9 +446,12 @@ class _Rope(NamedTuple):
     slot_mapping: torch.Tensor
 
 
-def _small_batch(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
-    """At most early_pairs_per_sm (sequence, KV head) pairs a multiprocessor: _decode_kernel's EARLY regime."""
-    return num_seqs * num_kv_heads <= DECODE_CFG["early_pairs_per_sm"] * num_sms(device.index or 0)
+def _small_batch(num_seqs: int, num_kv_heads: int, device: torch.device, int8: bool = False) -> bool:
+    """At most early_pairs_per_sm (sequence, KV head) pairs a multiprocessor: _decode_kernel's EARLY regime. An int8
+    cache, half as many (H100, batch 16 on Llama-3-8B's 8 KV heads: 2,435.6 tokens/s with the loads after the wait
+    against 2,336.9 before it; batch 8 gains from them, docs/BENCHMARKS.md)."""
+    per_sm = DECODE_CFG["early_pairs_per_sm_int8" if int8 else "early_pairs_per_sm"]
+    return num_seqs * num_kv_heads <= per_sm * num_sms(device.index or 0)
 
 
 def fuses_rope(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -485,7 +488,7 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # (batch-1 decode, H200, 2026-12-06: INT4 467.1 tokens/s against 458.3, INT8 412.2 against 404.5, bf16 252.0
     # against 249.9; fixed 64-token partitions lost on an H100 at 3000-token contexts and at batch 8)
     pairs = num_seqs * num_kv_heads
-    early = rope is not None and _small_batch(num_seqs, num_kv_heads, q.device)
+    early = rope is not None and _small_batch(num_seqs, num_kv_heads, q.device, k_cache.dtype == torch.int8)
     short_parts = min(DECODE_CFG["short_parts"], max(sms // pairs, 1)) if early else 1
     num_parts = max(triton.cdiv(max_ctx, partition), short_parts, 1)
     d_pad = max(16, triton.next_power_of_2(head_dim))
