@@ -123,6 +123,7 @@ DECODE_INT8 = [
     (16, 300, 8, 64, 8, 128, torch.bfloat16, 0),    # GQA 8
     (64, 1100, 16, 32, 8, 128, torch.bfloat16, 0),  # a full batch: partitions read after the wait
     (40, 64, 16, 4, 4, 96, torch.float32, 0),       # a head dim that is not a power of two
+    (2, 200, 16, 8, 8, 96, torch.bfloat16, 512),    # ... loaded before the wait
 ]
 
 
