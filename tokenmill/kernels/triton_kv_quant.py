@@ -112,7 +112,9 @@ def _attn_int8_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
         n_mask = offs_n < end
         col = offs_n // BLOCK_SIZE
         block = tl.load(table + col, mask=n_mask & (col < table_cols), other=0).to(tl.int64)
-        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        # rows are whole float32 words (head_dim + 4 bytes), which Triton cannot see in strides like 132: told
+        # nothing, it loads the tiles a byte at a time
+        row = tl.multiple_of(block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch, 4)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(q.dtype)
         k_scale = tl.load(k_scale_ptr + (row + HEAD_DIM) // 4, mask=n_mask, other=0.0)
