@@ -38,7 +38,8 @@ def _write_int8_kernel(x_ptr, cache_ptr, cache_f32_ptr, slot_ptr, stride_xt, str
         x = tl.load(x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :], mask=mask,
                     other=0.0).to(tl.float32)
         q, scale = quantize_int8_rows(x, 1)
-        row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h * stride_ch
+        # whole float32 words (see _attn_int8_kernel): 32-bit stores, not bytes
+        row = tl.multiple_of((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h * stride_ch, 4)
         tl.store(cache_ptr + row[:, None] + offs_d[None, :], q, mask=mask)
         tl.store(cache_f32_ptr + (row + HEAD_DIM) // 4, scale, mask=offs_h < NUM_HEADS)
 
