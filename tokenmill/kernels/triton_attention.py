@@ -468,9 +468,7 @@ def fuses_rope(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a decode step on this cache takes decode_attention_rope: a 16- or 32-bit float cache and an int8
     one always; an e4m3 one in small batches (EARLY), where one kernel boundary less on the critical path is the
     gain, while full batches read an e4m3 cache faster in triton_fp8_decode after rope_and_cache."""
-    if k_cache.dtype == torch.float8_e4m3fn:
-        return _small_batch(q.shape[0], k_cache.shape[2], q.device)
-    return True
+    return k_cache.dtype != torch.float8_e4m3fn or _small_batch(q.shape[0], k_cache.shape[2], q.device)
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
