@@ -259,3 +259,18 @@ def test_chat_template_given_by_the_caller(gguf_tokenizer: Tokenizer) -> None:
     assert gguf_tokenizer.apply_chat_template(messages).startswith("<|im_start|>")  # the model's own is kept
     with pytest.raises(ValueError, match=r"chat_template is not a valid jinja2 template \(line 1"):
         gguf_tokenizer.apply_chat_template(messages, chat_template="{% for m in messages %}")
+
+
+def test_chat_template_kwargs(gguf_tokenizer: Tokenizer) -> None:
+    """vLLM's chat_template_kwargs are variables of the template (as transformers' extra kwargs); names the
+    renderer sets itself are refused, naming them."""
+    template = "{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}"
+    messages = [{"role": "user", "content": "x"}]
+    assert gguf_tokenizer.apply_chat_template(messages, chat_template=template) == "x"
+    assert gguf_tokenizer.apply_chat_template(messages, chat_template=template,
+                                              chat_template_kwargs={"enable_thinking": True}) == "<think>x"
+    for bad in ({"add_generation_prompt": False}, {"messages": [], "documents": None}):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs cannot set {', '.join(bad)}:"):
+            gguf_tokenizer.apply_chat_template(messages, chat_template_kwargs=bad)
+    with pytest.raises(ValueError, match="must be a dict of template variable names to values, got"):
+        gguf_tokenizer.apply_chat_template(messages, chat_template_kwargs=[("enable_thinking", True)])

@@ -126,13 +126,16 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+                            chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                            **kwargs: Any) -> str:
         """Render the conversation into the prompt text the model was trained on. continue_final_message (as
         transformers and vLLM): the text ends with the last message's content, left open for the model to go on
-        with (a prefilled assistant answer); chat_template: a jinja2 template used instead of the model's."""
+        with (a prefilled assistant answer); chat_template: a jinja2 template used instead of the model's;
+        chat_template_kwargs (vLLM's), like kwargs: more variables for the template (e.g. enable_thinking)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first goes "
                              "on with the last message, the second starts a new one; set add_generation_prompt false")
+        kwargs = {**kwargs, **check_chat_template_kwargs(chat_template_kwargs)}
         template, source = self._template, self.template_source
         if chat_template is not None:
             template, source = _compiled_override(chat_template), "the chat_template given"
@@ -144,6 +147,24 @@ class Tokenizer:
         except Exception as e:  # raise_exception() in the template, or any error inside jinja while rendering
             raise ChatTemplateError(f"{source} could not render these messages ({type(e).__name__}: {e})") from e
         return _open_final_message(text, messages, source) if continue_final_message else text
+
+
+# what apply_chat_template sets itself: a template variable of these names would be ambiguous
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                               "chat_template")
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs as given (None: none), or a ValueError saying what is wrong with them."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be a dict of template variable names to values, "
+                         f"got {kwargs!r:.80}")
+    if taken := [k for k in kwargs if k in RESERVED_TEMPLATE_VARIABLES]:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: "
+                         f"{', '.join(RESERVED_TEMPLATE_VARIABLES)} are set by options of their own")
+    return kwargs
 
 
 @functools.lru_cache(maxsize=16)

@@ -460,8 +460,8 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(llm):
 
 
 def test_chat_continues_a_prefilled_answer_and_takes_a_template(llm):
-    """vLLM's LLM.chat options: continue_final_message goes on with the assistant's words (no new turn), and
-    chat_template replaces the model's template for the call."""
+    """vLLM's LLM.chat options: continue_final_message goes on with the assistant's words (no new turn),
+    chat_template replaces the model's template for the call, chat_template_kwargs gives it variables."""
     greedy = SamplingParams(temperature=0, max_tokens=6)
     prefilled = [{"role": "user", "content": "What is the capital of France?"},
                  {"role": "assistant", "content": "The capital of France is"}]
@@ -473,3 +473,8 @@ def test_chat_continues_a_prefilled_answer_and_takes_a_template(llm):
         llm.chat(prefilled, greedy, continue_final_message=True)
     plain = llm.chat(prefilled[:1], greedy, chat_template="Q: {{ messages[0].content }}\nA:")[0]
     assert plain.prompt_token_ids == tok.encode("Q: What is the capital of France?\nA:", add_special_tokens=False)
+    asked = llm.chat(prefilled[:1], greedy, chat_template="{{ ask }}: {{ messages[0].content }}\nA:",
+                     chat_template_kwargs={"ask": "Q"})[0]
+    assert asked.prompt_token_ids == plain.prompt_token_ids and asked.outputs[0].text == plain.outputs[0].text
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set add_generation_prompt"):
+        llm.chat(prefilled[:1], greedy, chat_template_kwargs={"add_generation_prompt": False})

@@ -320,6 +320,24 @@ def test_continue_final_message(server, client, model_name):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_chat_template_kwargs(server, client, model_name):
+    """vLLM's chat_template_kwargs reach the template (SmolLM2's uses none of them, so the prompt is the same);
+    a variable that a field of its own sets is a 400 naming chat_template_kwargs, on chat and /tokenize."""
+    plain = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    given = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    assert httpx.post(server.url + "/tokenize", json=given).json()["tokens"] == plain
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_completion_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == len(plain)
+    bad = {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}}
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = httpx.post(server.url + path, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        assert "cannot set add_generation_prompt" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**bad, "chat_template_kwargs": ["enable_thinking"]})
+    assert r.status_code == 400 and "chat_template_kwargs" in r.text, r.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_echo_begins_with_the_last_message_of_the_replys_role(client, model_name, stream):
     """vLLM's chat echo: a prefilled assistant message (continue_final_message) comes back before the reply; a

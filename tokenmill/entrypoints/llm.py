@@ -79,10 +79,11 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template (or chat_template, a jinja2 string) to one conversation (or a list of
         them) and generate; continue_final_message (with add_generation_prompt=False): the model goes on with the
-        last message, e.g. a prefilled assistant answer."""
+        last message, e.g. a prefilled assistant answer; chat_template_kwargs: more variables for the template."""
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer; this engine has none (dummy weights)")
@@ -92,7 +93,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [tok.encode(tok.apply_chat_template(_messages(c), add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
-                                                      chat_template=chat_template),
+                                                      chat_template=chat_template,
+                                                      chat_template_kwargs=chat_template_kwargs),
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

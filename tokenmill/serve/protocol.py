@@ -164,6 +164,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant turn's header")
     continue_final_message: bool = Field(False, description="vLLM's: go on with the last message (a prefilled "
                                                             "answer); needs add_generation_prompt false")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the chat "
+                                                                      "template (e.g. enable_thinking)")
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -324,6 +326,7 @@ class TokenizeChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):

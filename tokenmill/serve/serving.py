@@ -10,6 +10,7 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -27,6 +28,7 @@ from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkCho
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       DeltaMessage, PromptLogprob, PromptLogprobs, SamplingRequest, TokenLogprob,
                                       TopLogprob, Usage)
+from tokenmill.tokenizer import check_chat_template_kwargs
 
 RETRY_AFTER_S = 1
 FITS_SLACK = 4  # how much a tokenizer's normalizer may shrink a text, at most (encode's fits)
@@ -314,7 +316,8 @@ class OpenAIServing:
 
     # ---- chat completions -------------------------------------------------------------------
     async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                              continue_final_message: bool = False, fits: bool = False) -> list[int]:
+                              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                              fits: bool = False) -> list[int]:
         """A developer message is a system message, as OpenAI treats it (its newer name for system): most chat
         templates know system only, and SmolLM2's rendered developer as a turn of its own after its default system
         prompt. fits: a rendered chat that cannot fit the context is refused before encoding (encode's)."""
@@ -324,8 +327,13 @@ class OpenAIServing:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; send "
                                 "add_generation_prompt: false to continue the last message", "continue_final_message")
         try:
+            template_vars = check_chat_template_kwargs(chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), "chat_template_kwargs") from e
+        try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message)
+                                                      continue_final_message=continue_final_message,
+                                                      chat_template_kwargs=template_vars)
         except Exception as e:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
         return await self.encode(text, add_special_tokens=False, fits="messages" if fits else None)
@@ -335,7 +343,7 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
         ids = await self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                         fits=req.truncate_prompt_tokens is None)
+                                         req.chat_template_kwargs, fits=req.truncate_prompt_tokens is None)
         if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
             ids = ids[-req.truncate_prompt_tokens:]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
