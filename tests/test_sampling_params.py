@@ -16,6 +16,10 @@ from tokenmill import SamplingParams
     (dict(allowed_token_ids=5), "allowed_token_ids"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(truncate_prompt_tokens=2.5), "truncate_prompt_tokens"), (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(bad_words="Paris"), "bad_words"), (dict(bad_words=["ok", " "]), "bad_words"),
+    (dict(bad_words=[3]), "bad_words"), (dict(bad_words_token_ids=[5]), "bad_words_token_ids"),
+    (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
+    (dict(bad_words_token_ids=[[1, -1]]), "bad_words_token_ids"),
 ])
 def test_invalid_params_name_param_value_and_range(kwargs, name):
     with pytest.raises(ValueError) as e:
@@ -56,3 +60,11 @@ def test_allowed_token_ids_normalized_and_checked_against_the_vocabulary():
     p.verify_vocab(8)
     with pytest.raises(ValueError, match=r"allowed_token_ids token ids must be in \[0, 6\) .*got \[7\]"):
         p.verify_vocab(6)
+
+
+def test_bad_words_token_ids_normalized_and_checked_against_the_vocabulary():
+    p = SamplingParams(bad_words_token_ids=[(4, 5), [2]])
+    assert p.bad_words_token_ids == [[4, 5], [2]]
+    p.verify_vocab(6)
+    with pytest.raises(ValueError, match=r"bad_words_token_ids token ids must be in \[0, 5\) .*got \[5\]"):
+        p.verify_vocab(5)

@@ -36,6 +36,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (and this many alternatives)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens can be sampled
+    # vLLM's: words the output may not contain: a word's last token cannot follow the rest of its tokens
+    bad_words: list[str] | None = None
+    # the token sequences of bad_words, as the engine's tokenizer spells them (with and without a leading space)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last this many tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -50,6 +54,12 @@ class SamplingParams:
                 self._fail(name, value, "a list" + (" of strings, or a string" if name == "stop" else " of token ids"))
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        seqs = self.bad_words_token_ids
+        if not isinstance(seqs, (list, tuple)) or not all(
+                isinstance(ids, (list, tuple)) and ids and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids) for ids in seqs):
+            self._fail("bad_words_token_ids", seqs, "a list of non-empty lists of token ids")
+        self.bad_words_token_ids = [list(ids) for ids in seqs]
         self._validate()
         self.logit_bias = self._checked_logit_bias()
 
@@ -97,6 +107,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):  # "no" would be truthy
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, getattr(self, name), "True or False")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            self._fail("bad_words", self.bad_words, "None or a list of words (strings with more than whitespace)")
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not isinstance(allowed, (list, tuple)) or not allowed or not all(
@@ -130,7 +143,8 @@ class SamplingParams:
         """Token ids checked against the model's vocabulary, which SamplingParams is built without: the engine
         calls this when the request arrives, so a bad id is the caller's ValueError, not a failing step."""
         for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words_token_ids", [t for ids in self.bad_words_token_ids for t in ids])):
             bad = sorted(t for t in ids if t >= vocab_size)
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab_size}) (the model's vocabulary), "

@@ -478,3 +478,28 @@ def test_chat_continues_a_prefilled_answer_and_takes_a_template(llm):
     assert asked.prompt_token_ids == plain.prompt_token_ids and asked.outputs[0].text == plain.outputs[0].text
     with pytest.raises(ValueError, match="chat_template_kwargs cannot set add_generation_prompt"):
         llm.chat(prefilled[:1], greedy, chat_template_kwargs={"add_generation_prompt": False})
+
+
+def test_bad_words_never_end_the_output(llm):
+    """vLLM's bad_words: the tokens of a word (alone and after a space) never end the output (" night" may not
+    follow "Every", "keeper" never comes); greedy output is the free one up to the token that would complete a
+    word, and the same with async scheduling and with n-gram speculation (whose drafts, copied from the prompt,
+    propose the words)."""
+    passage = "Every night its keeper climbed the narrow stairs and watched the ships pass through the strait."
+    ids = prompt(llm, f"Repeat this text word for word: {passage}")
+    free = llm.generate([ids], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=30, bad_words=["Every night", "keeper"])
+    got = llm.generate([ids], params)[0].outputs[0].token_ids
+    seqs = llm.get_tokenizer().bad_words_token_ids(params.bad_words)
+    assert [len(s) for s in seqs] == [2, 2, 1, 1]  # "Every night" is two tokens, "keeper" one, either spelling
+
+    def ends(tokens: list[int]) -> list[int]:
+        return [i + len(s) for s in seqs for i in range(len(tokens) - len(s) + 1) if tokens[i:i + len(s)] == s]
+
+    assert ends(free) and not ends(got)
+    first = min(ends(free)) - 1  # where the free output completed the word
+    assert got[:first] == free[:first] and got[first] != free[first]
+    for kw in (dict(async_scheduling=True), dict(speculative="ngram", num_speculative_tokens=4)):
+        assert LLM(dtype="float32", max_model_len=512, **kw).generate([ids], params)[0].outputs[0].token_ids == got
+    with pytest.raises(ValueError, match="bad_words .* need a tokenizer"):
+        LLM(dtype="float32", skip_tokenizer_init=True).generate([ids], params)

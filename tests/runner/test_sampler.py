@@ -6,6 +6,7 @@ import torch
 from tokenmill.request import Request
 from tokenmill.runner.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.view import DraftedView
 
 
 def req(i, **kw):
@@ -139,6 +140,29 @@ def test_allowed_token_ids_are_the_only_tokens_drawn():
         assert out.token_ids[1] in allowed and out.token_ids[2] == 7
     processed, _ = make(vocab=4).process(logits[:1, :4].clone(), [req(0, allowed_token_ids=[6])])
     assert torch.equal(processed, logits[:1, :4])
+
+
+def test_bad_words_mask_a_last_token_after_the_rest():
+    """vLLM's bad words: a one-token word is never drawn; a longer word's last token only right after the rest of
+    it in the output; a drafted view (speculative verification) counts its drafts as output; ids past a draft
+    model's smaller vocabulary are left out."""
+    logits = torch.zeros(1, 8)
+    logits[0, 4], logits[0, 6], logits[0, 7] = 3.0, 2.0, 1.0
+    seqs = [[4], [2, 3, 6], [7, 9]]
+    r = Request("b", [1], SamplingParams(temperature=0, bad_words_token_ids=seqs))
+    processed, _ = make().process(logits.clone(), [r])
+    assert processed[0, 4] == float("-inf") and processed[0, 6] == 2.0 and processed[0, 7] == 1.0
+    assert make()(logits.clone(), [r]).token_ids == [6]
+    for t in (2, 3):
+        r.append_token(t)
+    assert make()(logits.clone(), [r]).token_ids == [7]  # 4 banned always, 6 after 2, 3
+    r.append_token(5)
+    assert make()(logits.clone(), [r]).token_ids == [6]
+    drafted = DraftedView(r, [2, 3])
+    assert make()(logits.clone(), [drafted]).token_ids == [7]
+    processed, _ = make(vocab=4).process(logits[:, :4].clone(), [Request("c", [1], SamplingParams(
+        bad_words_token_ids=[[9], [1, 8]]))])
+    assert torch.equal(processed, logits[:, :4])
 
 
 def test_logprobs_are_log_softmax_with_top_k():

@@ -320,6 +320,23 @@ def test_continue_final_message(server, client, model_name):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_bad_words(server, client, model_name):
+    """vLLM's bad_words on both endpoints: the free answer's word (as /tokenize spells it) never comes; a word
+    of whitespace is a 400 naming bad_words."""
+    free = client.chat.completions.create(model=model_name, messages=MESSAGES, max_completion_tokens=12,
+                                          temperature=0).choices[0].message.content
+    assert "Paris" in free
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_completion_tokens=12, temperature=0,
+                                       extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].message.content != free
+    for bad, seen in ((None, True), (["Paris"], False)):
+        c = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=4,
+                                      temperature=0, extra_body={"bad_words": bad})
+        assert ("Paris" in c.choices[0].text) == seen, c.choices[0].text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "bad_words": ["ok", "  "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
 def test_chat_template_kwargs(server, client, model_name):
     """vLLM's chat_template_kwargs reach the template (SmolLM2's uses none of them, so the prompt is the same);
     a variable that a field of its own sets is a 400 naming chat_template_kwargs, on chat and /tokenize."""

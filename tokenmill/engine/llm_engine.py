@@ -183,6 +183,11 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer to read the output, and this engine has "
                              "none (skip_tokenizer_init); use stop_token_ids")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"bad_words {params.bad_words!r} need a tokenizer to spell them in tokens, and this "
+                                 "engine has none (skip_tokenizer_init); use bad_words_token_ids")
+            params.bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
         if params.n > self.scheduler.config.max_queue_len:  # a retry could never make room for them
             raise ValueError(f"n={params.n} samples never fit the waiting queue of "
                              f"{self.scheduler.config.max_queue_len} requests; allowed: n <= max_queue_len")
@@ -292,13 +297,13 @@ class LLMEngine:
 
     def _can_launch_ahead(self, out: SchedulerOutput) -> bool:
         """Async scheduling, for a step that reads no token value on the host: no speculation (drafts are built
-        from the tokens), no penalties (the sampler counts earlier tokens on the host) and no logprobs, of
+        from the tokens), no penalties or bad words (the sampler reads earlier tokens on the host) and no logprobs, of
         sampled or of prompt tokens (read back with the logits). Under tensor parallelism rank 0 broadcasts the
         sampled tokens on the device."""
         if not self.args.async_scheduling or self.spec is not None:
             return False
         return not any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                       or p.logprobs is not None or s.request.prompt_logprobs_from is not None
+                       or p.bad_words_token_ids or p.logprobs is not None or s.request.prompt_logprobs_from is not None
                        for s in out.scheduled for p in (s.request.sampling_params,))
 
     def _read_back_in_flight(self) -> None:

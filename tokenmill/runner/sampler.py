@@ -83,6 +83,26 @@ class Sampler:
             row.fill_(float("-inf"))
             row[keep] = kept
 
+    @staticmethod
+    def _apply_bad_words(logits: torch.Tensor, reqs: list[Request]) -> None:
+        """vLLM's bad words: a sequence's last token to -inf where the output ends with the rest of it (always, for
+        a one-token word). A drafted view's output holds its drafts, so each draft position is masked as decoding
+        would mask it."""
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            seqs = r.sampling_params.bad_words_token_ids
+            if not seqs:
+                continue
+            out = r.output_token_ids
+            for ids in seqs:
+                prefix = len(ids) - 1
+                if ids[-1] < logits.shape[1] and (not prefix or (len(out) >= prefix and out[-prefix:] == ids[:-1])):
+                    rows.append(i)
+                    cols.append(ids[-1])
+        if rows:
+            index = device_tensor([rows, cols], torch.long, logits.device)
+            logits.index_put_((index[0], index[1]), logits.new_full((len(rows),), float("-inf")))
+
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.repetition_penalty != 1.0
                 or r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty]
@@ -136,14 +156,15 @@ class Sampler:
         return (tokens if out is None else out.copy_(tokens)), raw_logprobs
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cut to the vocabulary, apply allowed_token_ids, logit_bias, penalties and min_tokens in place, in vLLM's
-        order; also the raw log-softmax (before any of them: vLLM's default logprobs mode) when a request asks for
-        logprobs. Speculative verification and the draft proposer share this, so their distributions are exactly
-        the one sampled here."""
+        """Cut to the vocabulary, apply allowed_token_ids, bad words, logit_bias, penalties and min_tokens in place,
+        in vLLM's order; also the raw log-softmax (before any of them: vLLM's default logprobs mode) when a request
+        asks for logprobs. Speculative verification and the draft proposer share this, so their distributions are
+        exactly the one sampled here."""
         logits = logits[:, : self.vocab_size]
         want = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
         self._apply_allowed_token_ids(logits, reqs)
+        self._apply_bad_words(logits, reqs)
         self._apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         self._suppress_stop_tokens(logits, reqs)

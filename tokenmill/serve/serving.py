@@ -174,7 +174,7 @@ class OpenAIServing:
                                     include_stop_str_in_output=req.include_stop_str_in_output,
                                     skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
                                     prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
-                                    allowed_token_ids=req.allowed_token_ids)
+                                    allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
             params.verify_vocab(self.engine.engine.model_config.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from e
