@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_ref import KV_SCALE_BYTES
-from tokenmill.kernels.triton_attention import VARYING_ARGS, quantize_int8_rows
+from tokenmill.kernels.triton_attention import VARYING_ARGS, _kv_rows, quantize_int8_rows
 from tokenmill.kernels.triton_rope_cache import rotary_embedding
 
 _LOG2E = 1.4426950408889634
@@ -110,12 +110,9 @@ def _attn_int8_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        col = offs_n // BLOCK_SIZE
-        block = tl.load(table + col, mask=n_mask & (col < table_cols), other=0).to(tl.int64)
-        # rows are whole float32 words (head_dim + 4 bytes), which Triton cannot see in strides like 132: told
-        # nothing, it loads the tiles a byte at a time
-        row = tl.multiple_of(block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch, 4)
+        # rows are whole float32 words (head_dim + 4 bytes), which Triton cannot see in strides like 132
+        row, n_mask = _kv_rows(table, n0, end, kv_head, table_cols, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                               BLOCK_N, 4)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(q.dtype)
         k_scale = tl.load(k_scale_ptr + (row + HEAD_DIM) // 4, mask=n_mask, other=0.0)
