@@ -69,3 +69,18 @@ def test_a_bad_size_is_argparses_error_listing_the_units(argv):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"tokenmill {argv[0]}: error: argument {argv[-2]}: invalid size {argv[-1]!r}"), last
     assert "KB, MB, GB, TB" in last and "KiB, MiB, GiB, TiB" in last, last
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{tmp}/missing.jinja", "'{tmp}/missing.jinja' is neither a file nor a jinja2 template; give a template's path "
+                            "or its text"),
+    ("{% for m in messages %}", "--chat-template is not a valid jinja2 chat template (line 1"),
+    ("{tmp}/bad.jinja", "--chat-template {tmp}/bad.jinja is not a valid jinja2 chat template (line 1"),
+])
+def test_a_bad_chat_template_stops_serve_before_the_model_loads(value, message, tmp_path):
+    (tmp_path / "bad.jinja").write_text("{{ messages[0].content")
+    r = _run(["serve", "--chat-template", value.replace("{tmp}", str(tmp_path))])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("tokenmill serve: error: argument --chat-template: ") and \
+        message.replace("{tmp}", str(tmp_path)) in last, last

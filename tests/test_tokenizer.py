@@ -257,7 +257,7 @@ def test_chat_template_given_by_the_caller(gguf_tokenizer: Tokenizer) -> None:
     messages = [{"role": "user", "content": "x"}]
     assert gguf_tokenizer.apply_chat_template(messages, chat_template=template) == "user: x\n"
     assert gguf_tokenizer.apply_chat_template(messages).startswith("<|im_start|>")  # the model's own is kept
-    with pytest.raises(ValueError, match=r"chat_template is not a valid jinja2 template \(line 1"):
+    with pytest.raises(ValueError, match=r"chat_template is not a valid jinja2 chat template \(line 1"):
         gguf_tokenizer.apply_chat_template(messages, chat_template="{% for m in messages %}")
 
 

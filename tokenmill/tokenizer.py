@@ -76,20 +76,18 @@ class Tokenizer:
                  chat_template: str | None = None, template_source: str = "the chat template") -> None:
         self.backend = backend
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
-        self.chat_template = chat_template
-        self.template_source = template_source   # where the template came from, for its errors
-        self._template = None
-        if chat_template:
-            try:
-                self._template = _compile_chat_template(chat_template)
-            except jinja2.TemplateSyntaxError as e:
-                raise ValueError(f"{template_source} is not a valid jinja2 chat template (line {e.lineno}: "
-                                 f"{e.message})") from e
+        self.set_chat_template(chat_template, template_source)
         eos = self.token_to_id(self.special_tokens.get("eos_token"))
         self.eos_token_ids = list(dict.fromkeys(([eos] if eos is not None else []) + list(eos_token_ids)))
         self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
         self.pad_token_id = self.token_to_id(self.special_tokens.get("pad_token"))
         self.all_special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    def set_chat_template(self, chat_template: str | None, source: str) -> None:
+        """Use chat_template from now on (the model's, or the server's --chat-template); source: where it came from,
+        which its errors name."""
+        self._template = compiled_chat_template(chat_template, source) if chat_template else None
+        self.chat_template, self.template_source = chat_template, source
 
     @property
     def vocab_size(self) -> int:
@@ -149,7 +147,7 @@ class Tokenizer:
         kwargs = {**kwargs, **check_chat_template_kwargs(chat_template_kwargs)}
         template, source = self._template, self.template_source
         if chat_template is not None:
-            template, source = _compiled_override(chat_template), "the chat_template given"
+            template, source = compiled_chat_template(chat_template), "the chat_template given"
         if template is None:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
         try:
@@ -179,12 +177,13 @@ def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_override(source: str) -> jinja2.Template:
-    """A caller's chat template, compiled once however many calls send it."""
+def compiled_chat_template(template: str, source: str = "chat_template") -> jinja2.Template:
+    """A chat template compiled once however many calls send it, or a ValueError naming its source and the line
+    jinja2 refused."""
     try:
-        return _compile_chat_template(source)
+        return _compile_chat_template(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"chat_template is not a valid jinja2 template (line {e.lineno}: {e.message})") from e
+        raise ValueError(f"{source} is not a valid jinja2 chat template (line {e.lineno}: {e.message})") from e
 
 
 def _open_final_message(text: str, messages: list[dict[str, Any]], source: str) -> str:

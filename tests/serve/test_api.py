@@ -355,6 +355,46 @@ def test_chat_template_kwargs(server, client, model_name):
     assert r.status_code == 400 and "chat_template_kwargs" in r.text, r.text
 
 
+def test_a_requests_chat_template_is_refused_unless_trusted(server):
+    """A chat template is code the server runs: a request's is a 400 naming chat_template on a server started
+    without --trust-request-chat-template (vLLM's), on chat and /tokenize."""
+    body = {"messages": MESSAGES, "chat_template": "{{ messages[0].content }}"}
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+def test_chat_template_of_the_server_and_of_a_trusted_request(tmp_path):
+    """--chat-template FILE replaces the model's template for every chat; with --trust-request-chat-template a
+    request's chat_template replaces it for that request, and an invalid one is a 400 naming chat_template."""
+    (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    server = Server("--max-model-len", "1024", "--chat-template", str(tmp_path / "plain.jinja"),
+                    "--trust-request-chat-template")
+    try:
+        def tokens(body: dict) -> list[int]:
+            r = httpx.post(server.url + "/tokenize", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+
+        question = MESSAGES[0]["content"]
+        assert tokens({"messages": MESSAGES}) == \
+            tokens({"prompt": f"user: {question}\nassistant:", "add_special_tokens": False})
+        bare = {"messages": MESSAGES, "chat_template": "{{ messages[0].content }}"}
+        assert tokens(bare) == tokens({"prompt": question, "add_special_tokens": False})
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES,
+                                           max_completion_tokens=2, extra_body={"chat_template": bare["chat_template"]})
+        assert r.usage.prompt_tokens == len(tokens(bare))
+        for path in ("/tokenize", "/v1/chat/completions"):
+            r = httpx.post(server.url + path, json={**bare, "chat_template": "{% for m in messages %}"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+            assert "chat_template is not a valid jinja2 chat template (line 1" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_echo_begins_with_the_last_message_of_the_replys_role(client, model_name, stream):
     """vLLM's chat echo: a prefilled assistant message (continue_final_message) comes back before the reply; a

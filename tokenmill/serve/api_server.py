@@ -56,6 +56,7 @@ class ServerConfig:
     model_root: str
     api_key: str | None = None
     max_request_bytes: int = 16 << 20
+    trust_request_chat_template: bool = False
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -73,7 +74,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
     """executor: the engine thread the engine was built on (async_engine.engine_thread)."""
     metrics = ServerMetrics(config.model_name)
     async_engine = AsyncEngine(engine, observer=metrics, executor=executor)
-    serving = OpenAIServing(async_engine, config.model_name, metrics)
+    serving = OpenAIServing(async_engine, config.model_name, metrics, config.trust_request_chat_template)
     dashboard = Dashboard()
     started = int(time.time())
 
@@ -135,7 +136,8 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
             raise APIError(400, "this server has no tokenizer (dummy weights)")
         if isinstance(body, TokenizeChatRequest):
             ids = await serving.chat_prompt_ids(body.messages, body.add_generation_prompt,
-                                                  body.continue_final_message, body.chat_template_kwargs)
+                                                  body.continue_final_message, body.chat_template_kwargs,
+                                                  body.chat_template)
         else:
             ids = await serving.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)

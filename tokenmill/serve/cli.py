@@ -25,8 +25,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="(default: %(default)s)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log every HTTP request (default: on)")
+    p.add_argument("--chat-template", type=chat_template_arg, default=None, metavar="FILE_OR_TEXT",
+                   help="a jinja2 chat template, its file or its text, used instead of the model's "
+                        "(default: the model's)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="take a chat_template in chat and /tokenize requests; without it they are refused, as a "
+                        "template is code the server runs (default: off)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def chat_template_arg(value: str) -> tuple[str, str]:
+    """--chat-template as vLLM takes it: a file's path, or the template's text itself. Returns (the template, where
+    it came from), checked to compile, so a bad template stops the server before the model loads."""
+    from tokenmill.tokenizer import compiled_chat_template
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template, source = f.read(), f"--chat-template {value}"
+    elif "{" in value:
+        template, source = value, "--chat-template"
+    else:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a jinja2 template; give a template's "
+                                         "path or its text")
+    try:
+        compiled_chat_template(template, source)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return template, source
 
 
 def run(ns: argparse.Namespace) -> None:

@@ -76,9 +76,12 @@ def run_server(ns: argparse.Namespace) -> None:
         ns.max_num_batched_tokens = server_max_num_batched_tokens(pick_device(ns.device),
                                                                   EngineArgs.max_num_batched_tokens)
     engine = executor.submit(LLMEngine, engine_args_from(ns)).result()
+    if ns.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.set_chat_template(*ns.chat_template)
     name = served_model_name(ns, engine.model_path)
     app = build_app(engine, ServerConfig(model_name=name, model_root=engine.model_path or name, api_key=ns.api_key,
-                                         max_request_bytes=ns.max_request_bytes), executor)
+                                         max_request_bytes=ns.max_request_bytes,
+                                         trust_request_chat_template=ns.trust_request_chat_template), executor)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)

@@ -168,6 +168,9 @@ class ChatCompletionRequest(SamplingRequest):
                                                             "answer); needs add_generation_prompt false")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the chat "
                                                                       "template (e.g. enable_thinking)")
+    chat_template: str | None = Field(None, description="vLLM's: a jinja2 chat template used instead of the "
+                                                        "server's; refused unless the server was started with "
+                                                        "--trust-request-chat-template")
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -329,6 +332,7 @@ class TokenizeChatRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -28,7 +28,7 @@ from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkCho
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       DeltaMessage, PromptLogprob, PromptLogprobs, SamplingRequest, TokenLogprob,
                                       TopLogprob, Usage)
-from tokenmill.tokenizer import check_chat_template_kwargs
+from tokenmill.tokenizer import check_chat_template_kwargs, compiled_chat_template
 
 RETRY_AFTER_S = 1
 FITS_SLACK = 4  # how much a tokenizer's normalizer may shrink a text, at most (encode's fits)
@@ -98,10 +98,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.draining = False
@@ -317,10 +319,12 @@ class OpenAIServing:
     # ---- chat completions -------------------------------------------------------------------
     async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                               continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-                              fits: bool = False) -> list[int]:
+                              chat_template: str | None = None, fits: bool = False) -> list[int]:
         """A developer message is a system message, as OpenAI treats it (its newer name for system): most chat
         templates know system only, and SmolLM2's rendered developer as a turn of its own after its default system
-        prompt. fits: a rendered chat that cannot fit the context is refused before encoding (encode's)."""
+        prompt. chat_template: the request's, taken only from a server that trusts them (a template is code the
+        server runs; vLLM's --trust-request-chat-template). fits: a rendered chat that cannot fit the context is
+        refused before encoding (encode's)."""
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in messages]
         if continue_final_message and add_generation_prompt:
@@ -330,10 +334,19 @@ class OpenAIServing:
             template_vars = check_chat_template_kwargs(chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), "chat_template_kwargs") from e
+        if chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(400, "this server does not take a request's chat_template (start it with "
+                                    "--trust-request-chat-template to allow them); omit chat_template",
+                               "chat_template")
+            try:
+                compiled_chat_template(chat_template)
+            except ValueError as e:
+                raise APIError(400, str(e), "chat_template") from e
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
-                                                      chat_template_kwargs=template_vars)
+                                                      chat_template=chat_template, chat_template_kwargs=template_vars)
         except Exception as e:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
         return await self.encode(text, add_special_tokens=False, fits="messages" if fits else None)
@@ -343,7 +356,8 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
         ids = await self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                         req.chat_template_kwargs, fits=req.truncate_prompt_tokens is None)
+                                         req.chat_template_kwargs, req.chat_template,
+                                         fits=req.truncate_prompt_tokens is None)
         if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
             ids = ids[-req.truncate_prompt_tokens:]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
