@@ -122,13 +122,9 @@ class Tokenizer:
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it stands alone and after a space (vLLM's bad_words): the sequences that may not
         end an output."""
-        seqs: list[list[int]] = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.encode(text, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return seqs
+        texts = [text for word in words for text in (word.lstrip(), " " + word.lstrip())]
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False) if texts else []
+        return [list(ids) for ids in dict.fromkeys(tuple(e.ids) for e in encodings if e.ids)]
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]

@@ -297,7 +297,7 @@ def test_an_aborted_id_is_free_at_once_and_reported_once(llm):
     ({"arrival_time": float("nan")}, "arrival_time must be a finite number"),
     ({"timeout_s": True}, "timeout_s must be a finite number"),
     ({"timeout_s": -1}, r"timeout_s must be > 0 seconds"),
-    ({"priority": 5}, "got priority 5 but priority scheduling is not enabled"),
+    ({"priority": 5}, "priority 5 was given but priority scheduling is not enabled"),
     ({"request_id": 7}, "request_id must be a string or None, got int 7"),
     ({"sampling_params": {"max_tokens": 1}}, "sampling_params must be a SamplingParams, got dict"),
     ({"sampling_params": SamplingParams(stop_token_ids=[10 ** 6])}, r"stop_token_ids token ids must be in \[0, "),
@@ -457,6 +457,27 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(llm):
     assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
     long = [1] * 600  # past max_model_len=512 until truncated
     assert llm.generate([long], SamplingParams(max_tokens=2, truncate_prompt_tokens=100))[0].prompt_token_ids == [1] * 100
+
+
+def test_allowed_token_ids_that_other_bans_cover_are_refused(llm):
+    """Every allowed token banned (by min_tokens' ban of EOS and stop ids, or by one-token bad words) left all
+    logits -inf, and the sampler answered EOS, which was not allowed: now a ValueError naming the two fields. A ban
+    that leaves one allowed token is fine, and that token is the output."""
+    tok = llm.get_tokenizer()
+    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("Yes", "No"))
+    eos = tok.eos_token_ids[0]
+    ids = prompt(llm, "Name a colour.")
+    refused = [(dict(allowed_token_ids=[eos], min_tokens=2), "min_tokens=2 bans EOS and stop_token_ids"),
+               (dict(allowed_token_ids=[yes], stop_token_ids=[yes], min_tokens=1), "allowed_token_ids"),
+               (dict(allowed_token_ids=[yes, no], bad_words=["Yes", "No"]), "bad_words ban every token")]
+    for kw, message in refused:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, **kw))
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[yes, no, eos],
+                                             min_tokens=3, bad_words=["Yes"]))[0].outputs[0]
+    assert out.token_ids == [no] * 3
+    assert llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[eos],
+                                              min_tokens=2, ignore_eos=True))[0].outputs[0].token_ids == [eos] * 3
 
 
 def test_chat_continues_a_prefilled_answer_and_takes_a_template(llm):

@@ -125,6 +125,15 @@ def test_logit_bias_decides_greedy_and_sampled_tokens():
     assert out.logprobs[4].top == {int(top[4]): pytest.approx(float(torch.log_softmax(logits[4], -1).max()))}
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-30])
+def test_the_most_probable_token_survives_any_top_p(top_p):
+    """top_p below float32's least positive value became 0 on the device, and `cum >= 0` cut every token: the
+    sampler then answered token 0 (EOS here) whatever the logits. The first token always stays (vLLM's)."""
+    logits = torch.log(torch.tensor([[0.05, 0.1, 0.6, 0.25, 0, 0, 0, 0]]) + 1e-12)
+    out = make()(logits.repeat(50, 1), [req(i, top_p=top_p, seed=i) for i in range(50)])
+    assert set(out.token_ids) == {2}
+
+
 def test_allowed_token_ids_are_the_only_tokens_drawn():
     """Greedy and sampled rows with allowed_token_ids draw only from them, the other rows from the whole vocabulary;
     a draft's smaller vocabulary holding none of them leaves its row as it is."""

@@ -335,6 +335,13 @@ def test_bad_words(server, client, model_name):
         assert ("Paris" in c.choices[0].text) == seen, c.choices[0].text
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "bad_words": ["ok", "  "]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+    # spelled on the engine's thread: 25,000 words held every user's decoding for 19 s
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "bad_words": [f"w{i}" for i in range(1025)]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words" and "1024" in r.text, r.text
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "allowed_token_ids": [
+        one_token(server, "Paris")], "bad_words": ["Paris"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+    assert "bad_words ban every token of allowed_token_ids" in r.json()["error"]["message"]
 
 
 def test_chat_template_kwargs(server, client, model_name):

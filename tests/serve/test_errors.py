@@ -383,5 +383,5 @@ def test_a_batch_that_never_fits_the_queue_is_400_not_429(strict_server):
 def test_priority_without_priority_scheduling_is_refused(server):
     """As vLLM: a priority the FCFS scheduler would ignore is an error, not silently dropped."""
     body = {"prompt": "hi", "max_tokens": 1, "priority": 5}
-    assert_error(post(server, "/v1/completions", body), 400, None, "priority scheduling is not enabled")
+    assert_error(post(server, "/v1/completions", body), 400, "priority", "priority scheduling is not enabled")
     assert post(server, "/v1/completions", {**body, "priority": 0}).status_code == 200

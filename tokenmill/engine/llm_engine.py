@@ -152,6 +152,22 @@ class LLMEngine:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
         return None, list(prompt)
 
+    def _check_a_token_is_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids that the request's other bans cover would leave every logit -inf, and the sampler
+        would answer with a token it was told not to (vLLM's too): the caller's error, found on arrival. A
+        multi-token bad word bans its last token only after the rest, which no check on arrival can foresee."""
+        if params.allowed_token_ids is None:
+            return
+        left = set(params.allowed_token_ids) - {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+        if not left:
+            raise ValueError(f"bad_words ban every token of allowed_token_ids {params.allowed_token_ids[:8]}; "
+                             "allow a token that no bad word is spelled with alone")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens and not left - stops:
+            raise ValueError(f"min_tokens={params.min_tokens} bans EOS and stop_token_ids until then, and "
+                             f"allowed_token_ids {sorted(left)[:8]} has no other token; allow one, or drop "
+                             "min_tokens")
+
     def add_request(self, request_id: str | None, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, timeout_s: float | None = None) -> str:
         """Queue a request; raises ValueError for bad input and QueueFullError when the queue is full."""
@@ -167,7 +183,7 @@ class LLMEngine:
                 or not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT):
             raise ValueError(f"priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {priority!r}")
         if priority and self.scheduler.config.policy != "priority":  # as vLLM: it would be ignored silently
-            raise ValueError(f"got priority {priority} but priority scheduling is not enabled; "
+            raise ValueError(f"priority {priority} was given but priority scheduling is not enabled; "
                              "start the engine with scheduling_policy='priority'")
         for name, value in (("arrival_time", arrival_time), ("timeout_s", timeout_s)):
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
@@ -188,6 +204,7 @@ class LLMEngine:
                 raise ValueError(f"bad_words {params.bad_words!r} need a tokenizer to spell them in tokens, and this "
                                  "engine has none (skip_tokenizer_init); use bad_words_token_ids")
             params.bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
+        self._check_a_token_is_allowed(params)
         if params.n > self.scheduler.config.max_queue_len:  # a retry could never make room for them
             raise ValueError(f"n={params.n} samples never fit the waiting queue of "
                              f"{self.scheduler.config.max_queue_len} requests; allowed: n <= max_queue_len")

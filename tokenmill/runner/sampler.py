@@ -244,8 +244,8 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        p = device_tensor(top_p, torch.float32, dev)[:, None]
-        sorted_logits = sorted_logits.masked_fill(cum >= p, float("-inf"))
+        p = device_tensor(top_p, torch.float32, dev)[:, None]  # a top_p below float32's least is 0 here
+        sorted_logits = sorted_logits.masked_fill((cum >= p) & (ranks > 0), float("-inf"))  # the first always stays
         mp = device_tensor(min_p, torch.float32, dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(probs < mp * probs[:, :1], float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)

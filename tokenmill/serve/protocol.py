@@ -14,6 +14,7 @@ from tokenmill.request import PRIORITY_LIMIT
 
 MAX_STOP_TOKEN_IDS = 1024  # the engine looks a request's stop ids up at every step: a huge list slows every user
 MAX_STOP_STRINGS = 1024  # and searches the new text for each stop string at every step
+MAX_BAD_WORDS = 1024  # spelled in tokens on the engine's thread, and matched against the output at every step
 # vLLM's structured-output fields: constrained decoding, which tokenmill does not implement
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
@@ -98,7 +99,7 @@ class SamplingRequest(_Request):
         None, description="token id (a string of digits) -> bias in [-100, 100], added to its logit before sampling")
     allowed_token_ids: list[int] | None = Field(None, min_length=1,
                                                 description="vLLM's: only these token ids can be sampled")
-    bad_words: list[Text] | None = Field(None, description="vLLM's: words the output may not contain (a word's last "
+    bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS, description="vLLM's: words the output may not contain (a word's last "
                                                            "token cannot follow the rest of its tokens)")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
                                                                        "many tokens")

@@ -196,8 +196,9 @@ class OpenAIServing:
             if isinstance(e, QueueFullError):
                 self.metrics.on_reject("queue_full")
                 raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-            if isinstance(e, ValueError):
-                raise APIError(400, str(e), code="invalid_value") from e
+            if isinstance(e, ValueError):  # the engine's messages begin with the field they are about
+                field = str(e).split(" ")[0].split("=")[0]
+                raise APIError(400, str(e), field if field in type(req).model_fields else None, "invalid_value") from e
             if isinstance(e, RequestFailedError):
                 raise APIError(503, str(e), code="engine_unavailable") from e
             raise
