@@ -248,6 +248,7 @@ def test_body_not_sent_as_json_names_its_content_type(server, path, body, conten
 @pytest.mark.parametrize("body", [
     '{"prompt": "caf\xe9"}'.encode("latin-1"),     # not UTF-8
     "[" * 2000 + "]" * 2000,                         # deeper than the JSON parser's recursion limit
+    '{"max_tokens": ' + "9" * 5000 + "}",            # past Python's limit on integer digits
 ])
 def test_unreadable_body_is_invalid_json_saying_what_is_taken(server, body):
     """Bodies the JSON parser cannot read at all were FastAPI's "There was an error parsing the body", code null."""

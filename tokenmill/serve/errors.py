@@ -144,7 +144,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == FASTAPI_UNPARSABLE_BODY:  # not text or too deep to parse
             return error_response(400, "the request body could not be read: send UTF-8 JSON, uncompressed, nested "
-                                       "fewer than 1000 levels deep", code="invalid_json")
+                                       "fewer than 1000 levels deep, with no integer of more than 4300 digits",
+                                  code="invalid_json")
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}
         return error_response(exc.status_code, message.get(exc.status_code, str(exc.detail)),
