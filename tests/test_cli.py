@@ -84,3 +84,39 @@ def test_a_bad_chat_template_stops_serve_before_the_model_loads(value, message, 
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("tokenmill serve: error: argument --chat-template: ") and \
         message.replace("{tmp}", str(tmp_path)) in last, last
+
+
+@pytest.mark.parametrize("argv, message", [
+    # a traceback at startup, then a backend that never answered, or a busy loop of polls
+    (["router", "--backend", "notaurl:::"], "argument --backend: 'notaurl:::' is not a server's base URL"),
+    (["router", "--backend", "http://127.0.0.1:99999"], "argument --backend: 'http://127.0.0.1:99999' is not"),
+    (["router", "--backend", "http://127.0.0.1:8771?x=1"], "give http(s)://HOST[:PORT]"),
+    (["router", "--backend", "http://127.0.0.1:8771/v1"], "no path: the router adds /v1/..."),
+    (["router", "--backend", "ftp://127.0.0.1:8771"], "is not a server's base URL"),
+    (["router", "--backend", "h:1", "--poll-interval", "0"], "argument --poll-interval: must be a number > 0, got '0'"),
+    (["router", "--backend", "h:1", "--health-timeout", "-1"], "argument --health-timeout: must be a number > 0"),
+    (["router", "--backend", "h:1", "--affinity-slack", "nan"], "argument --affinity-slack: must be a number >= 0"),
+    (["router", "--backend", "h:1", "--long-prompt-threshold", "-5"], "must be an integer >= 0, got '-5'"),
+    (["router", "--backend", "h:1", "--port", "70000"], "argument --port: must be a port number in [0, 65535]"),
+    (["serve", "--port", "-1"], "argument --port: must be a port number in [0, 65535], got '-1'"),
+])
+def test_a_bad_router_or_server_flag_is_argparses_error(argv, message):
+    r = _run(argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tokenmill {argv[0]}: error: ") and message in last, last
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--backend", "127.0.0.1:8771", "--backend", "http://127.0.0.1:8771/"],
+     "each backend may be given once, in one pool; given more than once: http://127.0.0.1:8771"),
+    (["router", "--backend", "h:1", "--long-backend", "h:1"], "given more than once: http://h:1"),
+    (["router", "--backend", "h:1", "--max-request-bytes", "0"], "--max-request-bytes must be at least 1 byte"),
+    (["serve", "--max-request-bytes", "0"], "--max-request-bytes must be at least 1 byte, got 0"),
+    (["generate", "hi", "--num-speculative-tokens", "3"], "num_speculative_tokens only apply to speculative"),
+    (["generate", "hi", "--model-preset", "qwen3-0.6b"], "needs load_format='dummy'"),
+])
+def test_a_bad_router_or_server_setting_is_a_message_and_status_2(argv, message):
+    r = _run(argv)
+    assert r.returncode == 2 and r.stderr.startswith("tokenmill: error: ") and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

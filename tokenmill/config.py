@@ -175,6 +175,7 @@ class SchedulerConfig:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
 
 
+SPECULATIVE_OPTIONS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 _TYPE_WORDS = {"None": "null", "float": "a number", "int": "an integer", "bool": "true/false", "str": "a string"}
 
 
@@ -249,8 +250,16 @@ class EngineArgs:
                              "num_gpu_blocks_override, not several")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.model_preset is not None and self.load_format != "dummy":
+            raise ValueError(f"model_preset={self.model_preset!r} is the architecture of random weights and needs "
+                             f"load_format='dummy'; got load_format={self.load_format!r}")
         self._check_speculative()
         self._check_parallel()
+
+    def without_speculation(self) -> EngineArgs:
+        """These options for a part that does not speculate (the draft model's runner)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in SPECULATIVE_OPTIONS}
+        return dataclasses.replace(self, speculative=None, **defaults)
 
     def _check_types(self) -> None:
         """Each option against its annotation, as vLLM's pydantic configs do: LLM(enable_prefix_caching="false")
@@ -284,6 +293,11 @@ class EngineArgs:
         a step that scans that many draft lengths per request."""
         spec = self.speculative
         if spec is None:
+            given = [f.name for f in dataclasses.fields(self) if f.name in SPECULATIVE_OPTIONS
+                     and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to speculative decoding, which is off; set "
+                                 "speculative ('ngram' or 'draft:<model>') too, or leave them out")
             return
         if spec != "ngram" and not spec.startswith("draft:"):
             raise ValueError(f"speculative must be 'ngram' or 'draft:<model>[@<quantization>]', got {spec!r}")
@@ -306,6 +320,8 @@ class EngineArgs:
                              "(every node runs the same number of ranks)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be a port number in [1, 65535], got {self.master_port}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("a multi-node launch (nnodes > 1) needs master_addr and master_port: rank 0's address, "
                              "reachable from every node")

@@ -1,4 +1,5 @@
-"""Sizes as people write them on a command line, parsed without importing torch (the router reads them too)."""
+"""Sizes and ports as people write them on a command line, parsed without importing torch (the router reads them
+too)."""
 from __future__ import annotations
 
 import argparse
@@ -26,3 +27,10 @@ def parse_bytes(text: str) -> int:
                         "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); e.g. 80GiB, "
                         "512MiB, 2GB")
     return int(size)
+
+
+def parse_port(text: str) -> int:
+    """A TCP port to listen on: one out of range was a traceback from bind(), for `serve` after the model loaded."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}")
+    return int(text)

@@ -5,13 +5,13 @@ import argparse
 import os
 
 from tokenmill.engine.arg_utils import add_engine_args
-from tokenmill.units import parse_bytes
+from tokenmill.units import parse_bytes, parse_port
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API with a web UI")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument("--port", type=parse_port, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/ (default: $TOKENMILL_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
@@ -55,5 +55,7 @@ def chat_template_arg(value: str) -> tuple[str, str]:
 
 
 def run(ns: argparse.Namespace) -> None:
+    if ns.max_request_bytes < 1:  # every request would be a 413
+        raise ValueError(f"--max-request-bytes must be at least 1 byte, got {ns.max_request_bytes}")
     from tokenmill.serve.launcher import run_server
     run_server(ns)

@@ -65,8 +65,8 @@ class DraftProposer:
     def __init__(self, draft: DraftModel, args: EngineArgs, kv_cache: KVCacheManager, num_blocks: int,
                  target_vocab: int, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  eos_token_ids: list[int]) -> None:
-        runner_args = dataclasses.replace(args, num_gpu_blocks_override=num_blocks, kv_cache_tokens=None,
-                                          kv_cache_memory=None, speculative=None)  # the target's block count
+        runner_args = dataclasses.replace(args.without_speculation(), num_gpu_blocks_override=num_blocks,
+                                          kv_cache_tokens=None, kv_cache_memory=None)  # the target's block count
         self.runner = ModelRunner(draft.model, draft.config, runner_args, device, dtype, max_model_len, eos_token_ids)
         self.kv_cache = kv_cache
         self.target_vocab = target_vocab
