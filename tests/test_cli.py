@@ -120,3 +120,10 @@ def test_a_bad_router_or_server_setting_is_a_message_and_status_2(argv, message)
     r = _run(argv)
     assert r.returncode == 2 and r.stderr.startswith("tokenmill: error: ") and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_kv_cache_larger_than_memory_is_a_message():
+    """It was the allocator's RuntimeError and a traceback."""
+    r = _run(["generate", "hi", "--max-tokens", "2", "--kv-cache-tokens", "1000000000"])  # ~43 TiB
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "tokenmill: error: the KV cache of" in r.stderr and "does not fit in the cpu memory left" in r.stderr

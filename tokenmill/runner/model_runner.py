@@ -240,10 +240,20 @@ class ModelRunner:
         self.sampler.compile(self.model.compute_logits(hidden))
 
     def _allocate_kv_cache(self) -> None:
+        """A pool larger than the memory left is the caller's ValueError naming its size and the options that set
+        it (it was the allocator's RuntimeError, "DefaultCPUAllocator: can't allocate memory")."""
         c = self.config
-        self.kv_cache = kv_cache_zeros(
-            (2, c.num_hidden_layers), self.num_blocks, self.block_size, kv_heads_per_rank(c.num_key_value_heads),
-            kv_row_width(c.head_dim, self.kv_dtype), self.kv_dtype, self.device)
+        try:
+            self.kv_cache = kv_cache_zeros(
+                (2, c.num_hidden_layers), self.num_blocks, self.block_size, kv_heads_per_rank(c.num_key_value_heads),
+                kv_row_width(c.head_dim, self.kv_dtype), self.kv_dtype, self.device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                raise
+            size = self.num_blocks * self.block_size * kv_bytes_per_token(c, self.kv_dtype)
+            raise ValueError(f"the KV cache of {self.num_blocks} blocks ({size / 2**30:.1f} GiB) does not fit in the "
+                             f"{self.device.type} memory left; lower kv_cache_memory, kv_cache_tokens or "
+                             "num_gpu_blocks_override") from None
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         for i, m in enumerate(layers):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
