@@ -79,6 +79,8 @@ def cmd_chat(ns: argparse.Namespace) -> None:
     engine = text_engine(ns)
     tok, params = engine.tokenizer, sampling_params_from(ns)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 come as surrogates, refused below, rather than
+        sys.stdin.reconfigure(errors="surrogateescape")  # a UnicodeDecodeError losing the lines read with them
     print("tokenmill chat: type a message, /reset to start over, /exit or Ctrl-D to quit.")
     while True:
         try:
@@ -93,10 +95,16 @@ def cmd_chat(ns: argparse.Namespace) -> None:
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
-        answer = stream(engine, ids, params)
-        messages.append({"role": "assistant", "content": answer})
+        try:
+            line.encode("utf-8")
+            ids = tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": line}]),
+                             add_special_tokens=False)
+            answer = stream(engine, ids, params)
+        except (UnicodeEncodeError, ValueError) as e:  # one bad message is said and dropped; the chat goes on
+            reason = "the message is not valid UTF-8" if isinstance(e, UnicodeEncodeError) else str(e)
+            print(f"tokenmill chat: {reason}; the message was not sent", file=sys.stderr)
+            continue
+        messages += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
 
 
 def cmd_worker(ns: argparse.Namespace) -> None:

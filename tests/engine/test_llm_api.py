@@ -1,5 +1,6 @@
 """The offline API end to end on the real default model: sampling options, n > 1, stop handling,
 logprobs, aborts and bad input."""
+import os
 import subprocess
 import sys
 import time
@@ -377,12 +378,21 @@ def test_cli_generate_streams_text():
     assert "Paris" in r.stdout
 
 
-def test_cli_chat_repl_is_multi_turn():
-    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "chat", "--max-tokens", "12", "--dtype", "float32"],
-                       input="What is the capital of France?\nAnd of Italy?\n/exit\n",
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout and "Rome" in r.stdout
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])
+def test_cli_chat_repl_is_multi_turn(encoding):
+    """A message that is not UTF-8 or too long for the context is said and dropped, and the chat goes on (the
+    first ended it with a traceback, the second with status 2). ascii: the C locale's stdin, whose undecodable
+    bytes come as surrogates."""
+    lines = b"\xff\xfe\n" + b"word " * 1000 + b"\nWhat is the capital of France?\nAnd of Italy?\n/exit\n"
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "chat", "--max-tokens", "12", "--dtype", "float32",
+                        "--max-model-len", "512"], input=lines, capture_output=True, timeout=300,
+                       env={**os.environ, "PYTHONIOENCODING": f"{encoding}:surrogateescape" if encoding == "ascii"
+                            else "utf-8"})
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "tokenmill chat: the message is not valid UTF-8; the message was not sent" in err
+    assert "maximum context length" in err or "max_model_len" in err, err
+    assert "Paris" in out and "Rome" in out
 
 
 def test_requests_that_could_never_run_as_asked_are_refused(llm):
