@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from paged_cases import make_case, rel_err
 
 from tokenmill.kernels import quant_ref, torch_ref, triton_ops
-from tokenmill.kernels.triton_quant import GEMM, SKINNY, MatmulConfig, quant_linear
+from tokenmill.kernels.triton_quant import GEMM, GEMM_LARGE, SKINNY, MatmulConfig, quant_linear
 from tokenmill.quant.formats import QuantFormat, quantize
 from tokenmill.quant.kv_cache import kv_row_width
 
@@ -62,7 +62,8 @@ def test_matmul_float32_out(m: int, n: int, k: int, fmt: str) -> None:
     assert rel_err(got, quant_ref.quant_linear(x.double(), *args[1:])) < 1e-2
 
 
-@pytest.mark.parametrize("cfg", [SKINNY, GEMM, MatmulConfig(16, 32, 64, split_k=5), MatmulConfig(32, 64, 128, 3)])
+@pytest.mark.parametrize("cfg", [SKINNY, GEMM, MatmulConfig(16, 32, 64, split_k=5), MatmulConfig(32, 64, 128, 3),
+                                 GEMM_LARGE, dataclasses.replace(GEMM_LARGE, split_k=3)])
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128"])
 def test_matmul_configs(cfg: MatmulConfig, fmt: str) -> None:
     """Every tile shape and split gives the same answer, batch 1 to 64, 3-D inputs kept 3-D."""

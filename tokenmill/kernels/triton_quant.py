@@ -69,10 +69,14 @@ class MatmulConfig:
 # `python -m tokenmill.quant.bench --tune` searches tile shapes. SKINNY was its best at M = 1 on the H200 (4096 x
 # 14336: INT8 22.1 us against 23.0 for the first guess; INT4 g128 31.6 against 34.2), before one row went to the
 # GEMV; it now serves M = 2..16 (INT8, and INT4 with float16 or float32 x: bf16 INT4 takes triton_int4_mma.py) and
-# has not been re-tuned there. GEMM is an untuned starting point.
+# has not been re-tuned there. Beyond 16 rows, `--tune`'s grid over Llama-3-8B's four matrices at 64, 512 and 2,048
+# rows on an H100 (docs/BENCHMARKS.md, 2026-12-07): GEMM_LARGE was the faster for INT4 at every row count (a
+# 512-token prefill 2.2 times as fast as on GEMM) and for INT8 at 512 and 2,048 rows; GEMM for INT8 at 64.
 SKINNY_M = 16
 SKINNY = MatmulConfig(16, 32, 256, num_warps=4, num_stages=4)
 GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
+GEMM_LARGE = MatmulConfig(128, 128, 64, num_warps=8, num_stages=4)
+GEMM_LARGE_M = 512  # INT8 from this many rows (between 64 and 512 not measured); INT4 beyond SKINNY_M
 # FP8 beyond 16 rows multiplies e4m3 by e4m3 on the tensor cores (FP8_DOT_MIN_M rows a tile at least: wgmma's)
 # where cuBLAS's FP8 GEMM is slower (triton_fp8_linear.use_scaled_mm); (most rows, config) by rows, the best of
 # `python -m tokenmill.quant.bench --fp8-gemm --tune` on the H200 (docs/BENCHMARKS.md, 2026-12-02). float32
@@ -191,8 +195,8 @@ def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return first_m + (tile % per_group) % rows, (tile % per_group) // rows
 
 
-def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> MatmulConfig:
-    """The skinny config for decode-sized M, the GEMM config (FP8: FP8_GEMM's for M) otherwise; K is split over
+def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False, int4: bool = False) -> MatmulConfig:
+    """The skinny config for decode-sized M, a GEMM config (FP8: FP8_GEMM's for M) otherwise; K is split over
     programs until there are about two per multiprocessor (a batch of 64 rows of a 4096-wide output is only 32
     GEMM tiles: unsplit, it ran on a quarter of the H200 at a tenth of bf16's speed)."""
     if m <= SKINNY_M:
@@ -202,7 +206,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False)
     elif fp8:
         cfg = next(c for most, c in FP8_GEMM if most is None or m <= most)
     else:
-        cfg = GEMM
+        cfg = GEMM_LARGE if int4 or m >= GEMM_LARGE_M else GEMM
     return with_split(cfg, m, n, k, device)
 
 
@@ -278,7 +282,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
             return triton_fp8_skinny.skinny_mm(x2, x_scales, qweight, scales, bias, residual, out_dtype).view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     per_channel = not int4 and group >= k
-    cfg = config or pick_config(m, n, k, x.device, fp8)
+    cfg = config or pick_config(m, n, k, x.device, fp8, int4)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out

@@ -47,7 +47,7 @@ def bench_shape(n: int, k: int, m: int, formats: tuple[str, ...] = FORMATS, tune
         moved = (qw.qweight.numel() + qw.scales.numel() * qw.scales.element_size()
                  + (0 if qw.mins is None else qw.mins.numel() * 2) + x.numel() * 2 + m * n * 2)
         args = (x, qw.qweight, qw.scales, qw.mins, k, fmt.group(k), None)
-        tile = pick_config(m, n, k, x.device)  # given explicitly: one row would otherwise go to the GEMV
+        tile = pick_config(m, n, k, x.device, int4=fmt.bits == 4)  # given: one row would otherwise take the GEMV
         skinny = fmt.fp8 and triton_fp8_skinny.takes(m, n, k, x.dtype)
         dispatched = fmt.fp8 and (m > SKINNY_M or skinny)  # FP8's own dispatch: its decode kernel, tiles, cuBLAS
         ms = median_ms(lambda args=args, tile=None if dispatched else tile: quant_linear(*args, tile))
@@ -71,9 +71,9 @@ def describe(cfg: MatmulConfig) -> str:
 def best_config(args: tuple, m: int, n: int, k: int) -> tuple[float, MatmulConfig]:
     """The fastest of a grid of decode tile shapes (split as pick_config would) for these arguments: what the
     defaults should become."""
-    default = pick_config(m, n, k, args[0].device)
-    best: tuple[float, MatmulConfig] = (float("inf"), default)
     int4 = args[1].dtype == torch.uint8
+    default = pick_config(m, n, k, args[0].device, int4=int4)
+    best: tuple[float, MatmulConfig] = (float("inf"), default)
     for block_n, block_k, warps, bit in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
                                                           (False, True) if int4 else (False,)):
         cfg = with_split(MatmulConfig(default.block_m, block_n, block_k, num_warps=warps, num_stages=4,
