@@ -31,6 +31,8 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
     (["plan", "--model", "llama-3-8b", "--max-model-len", "100000"],
      "max_model_len=100000 exceeds the model's max_position_embeddings 8192"),
     (["plan", "--model", "llama-3-8b", "--block-size", "24"], "block_size must be a power of two >= 1, got 24"),
+    (["plan", "--model", "llama-3-8b", "--max-model-len", "1024", "--avg-context", "100000"],
+     "--avg-context 100000 exceeds max_model_len=1024"),  # was a plan of 32 requests at 100,000 tokens
     (["plan", "--model", "llama-3-8b", "--weight-dtype", "int4", "--group-size", "0"],
      "group size must be one of (32, 64, 128), got 0"),
     (["simulate", "--model", "llama-3-8b", "--max-model-len", "100000"],
@@ -44,9 +46,18 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
     (["quant-eval", "--json", "{tmp}"], "--json {tmp} is a directory; give a file path"),
     (["quant-eval", "--plot", "{tmp}/file/kl.png"], "--plot folder {tmp}/file cannot be created"),
     (["quant-eval", "--max-tokens", "0", "--replay", "{tmp}/prompts.jsonl"], "--max-tokens must be at least 1, got 0"),
+    # IsADirectoryError or RecursionError tracebacks; a missing file was a bare "[Errno 2]" naming no flag
+    (["quant-eval", "--replay", "{tmp}"], "--replay {tmp} cannot be read (Is a directory); give a JSONL file"),
+    (["quant-eval", "--replay", "{tmp}/missing"], "--replay {tmp}/missing cannot be read (No such file or directory)"),
+    (["quant-eval", "--replay", "{tmp}/deep"], "{tmp}/deep:1: not valid JSON (nested too deep)"),
+    (["simulate", "--model", "llama-3-8b", "--cost-model", "{tmp}"], "--cost-model {tmp} cannot be read (Is a "
+                                                                     "directory)"),
+    (["simulate", "--model", "llama-3-8b", "--cost-model", "{tmp}/deep"], "--cost-model {tmp}/deep is not JSON "
+                                                                          "(nested too deep)"),
 ])
 def test_bad_input_is_a_message_and_status_2(argv, message, tmp_path):
     (tmp_path / "file").write_text("not JSON")
+    (tmp_path / "deep").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     r = _run([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert r.returncode == 2, r.stderr

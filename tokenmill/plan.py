@@ -183,6 +183,9 @@ def make_plan(label: str, config: ModelConfig, memory: int, weight_dtype: str = 
     if max_len > config.max_position_embeddings:  # the engine's rule and message (LLMEngine)
         raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
+    if avg_context is not None and avg_context > max_len:  # no request holds more than the context
+        raise ValueError(f"--avg-context {avg_context} exceeds max_model_len={max_len}: a request holds at most "
+                         "its context; give a smaller average or a longer --max-model-len")
     avg = avg_context or max(1, max_len // 4)
     usable = int(memory * gpu_memory_utilization)
     weights = weight_bytes(config, weight_dtype, tp, DEFAULT_INT4_GROUP if group_size is None else group_size,

@@ -52,9 +52,15 @@ def test_random_dataset_fixed_lengths_and_shared_prefix(tokenizer):
 
 @pytest.mark.parametrize("flags, match", [(["--goodput", "ttfx:500"], "goodput"),
                                           (["--metric-percentiles", "p99"], "metric-percentiles"),
-                                          (["--request-rate", "0"], "request-rate")])
-def test_options_read_after_the_run_are_checked_before_it(flags, match):
-    """No server listens on port 9: the bad option is reported before any request is sent."""
+                                          (["--request-rate", "0"], "request-rate"),
+                                          (["--percentile-metrics", "ttft,bogus"],
+                                           "--percentile-metrics: unknown 'bogus'; allowed: ttft, tpot, itl, e2el"),
+                                          (["--save-result", "--result-dir", "{file}"], "is a file, not a folder")])
+def test_options_read_after_the_run_are_checked_before_it(flags, match, tmp_path):
+    """No server listens on port 9: the bad option is reported before any request is sent (a --result-dir that
+    is a file was a FileExistsError after the whole run)."""
+    (tmp_path / "file").write_text("")
+    flags = [f.replace("{file}", str(tmp_path / "file")) for f in flags]
     ns = build_parser().parse_args(["bench", "serve", "--port", "9", *flags])
     with pytest.raises(ValueError, match=match):
         bench.run(ns)

@@ -313,7 +313,7 @@ def report(ns: argparse.Namespace, m: dict[str, Any], duration: float, goodput: 
         "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"] if goodput else None,
         "output_throughput": m["output_throughput"], "total_token_throughput": m["total_token_throughput"],
     }
-    for key in ("ttft", "tpot", "itl", "e2el"):
+    for key in PERCENTILE_METRICS:
         if key not in selected:
             continue
         name, header = METRIC_HEADERS[key]
@@ -397,6 +397,9 @@ def add_serve_bench_parser(bench_subparsers: argparse._SubParsersAction) -> None
     p.set_defaults(func=run)
 
 
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
 def check_args(ns: argparse.Namespace) -> None:
     """The options read after the run, read before it: a typo must not cost the run."""
     try:
@@ -406,6 +409,13 @@ def check_args(ns: argparse.Namespace) -> None:
             from None
     if not all(0 < p <= 100 for p in percentiles):
         raise ValueError(f"--metric-percentiles must be in (0, 100], got {ns.metric_percentiles!r}")
+    unknown = [m for m in ns.percentile_metrics.split(",") if m.strip() not in PERCENTILE_METRICS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {', '.join(map(repr, unknown))}; allowed: "
+                         f"{', '.join(PERCENTILE_METRICS)}, separated by commas")
+    if (ns.save_result or ns.plot) and ns.result_dir and os.path.exists(ns.result_dir) \
+            and not os.path.isdir(ns.result_dir):
+        raise ValueError(f"--result-dir {ns.result_dir} is a file, not a folder")
     parse_goodput(ns.goodput)
     if not ns.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {ns.request_rate}")

@@ -18,15 +18,21 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def load_prompts(path: str) -> list[dict[str, Any]]:
+    """The prompts of a JSONL file, or a ValueError naming --replay, the file and the line that is wrong."""
     prompts = []
-    with open(path, encoding="utf-8") as f:
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--replay {path} cannot be read ({e.strerror}); give a JSONL file of prompts") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+            except (json.JSONDecodeError, RecursionError) as e:
+                reason = "nested too deep" if isinstance(e, RecursionError) else str(e)
+                raise ValueError(f"{path}:{n}: not valid JSON ({reason})") from None
             problem = _problem(item)
             if problem:
                 raise ValueError(f"{path}:{n}: {problem}")

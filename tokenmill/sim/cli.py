@@ -118,8 +118,12 @@ def load_cost_model(path: str) -> CostModel:
     """CostModel.load, with a file that is not JSON refused by name (json's own error names no file)."""
     try:
         return CostModel.load(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--cost-model {path} is not JSON ({e}); expected a cost model as `tokenmill simulate --fit` "
+    except OSError as e:
+        raise ValueError(f"--cost-model {path} cannot be read ({e.strerror}); give the JSON file "
+                         "`tokenmill simulate --fit` writes") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        reason = "nested too deep" if isinstance(e, RecursionError) else e
+        raise ValueError(f"--cost-model {path} is not JSON ({reason}); expected a cost model as `tokenmill simulate --fit` "
                          f"writes it: {{'coefficients': {{{', '.join(FEATURES)}}}}}") from None
 
 
