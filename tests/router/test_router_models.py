@@ -63,3 +63,21 @@ def test_head_answers_as_get_without_the_body(router, model_name, path, status):
     assert head.headers["content-type"] == get.headers["content-type"]
     if path != "/metrics":  # its values may move between the two requests
         assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_goes_to_a_backend_that_serves_its_model(router, model_name, path):
+    """Backends serving different models: a request naming one goes to a backend that serves it (it went by load
+    and key alone, and about half came back 404 model_not_found); one naming none goes anywhere; one naming a model
+    no backend serves gets a backend's own 404."""
+    body = {"max_tokens": 1, **({"prompt": "Hi"} if path == "/v1/completions" else
+                                {"messages": [{"role": "user", "content": "Hi"}]})}
+    for i in range(6):  # other prompts: other affinity keys, so both backends would be picked
+        varied = {**body, "prompt": f"Hi {i}"} if "prompt" in body else \
+            {**body, "messages": [{"role": "user", "content": f"Hi {i}"}]}
+        for model in (NAMED, model_name):
+            r = httpx.post(router.url + path, json={**varied, "model": model}, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == model, r.text
+        assert httpx.post(router.url + path, json=varied, timeout=60).status_code == 200
+    r = httpx.post(router.url + path, json={**body, "model": "gpt-4"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -28,6 +28,7 @@ class Backend:
         self.running = 0.0            # the rest as of the last /metrics
         self.waiting = 0.0
         self.kv_usage = 0.0
+        self.models: set[str] | None = None  # the ids its /v1/models lists; None: not known (it needs a key)
         self._timeouts = 0
         self._last_progress = float("-inf")  # time.monotonic() of the last bytes a request in flight got from it
         self._checks = 0                     # /health requests sent
@@ -43,6 +44,11 @@ class Backend:
         scraped one also sees requests from other clients. A waiting request counts twice: it has not started and
         queues behind everything. A nearly full KV cache means preemptions."""
         return max(self.in_flight, self.running + self.waiting) + self.waiting + KV_WEIGHT * self.kv_usage
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for this model may go here: a request naming none, or a backend whose list is not
+        known, may go anywhere."""
+        return model is None or self.models is None or model in self.models
 
     def set_unavailable(self) -> None:
         """Stop routing to it until a poll finds it healthy again; the requests in flight on it go on."""
@@ -75,6 +81,8 @@ class Backend:
         try:
             health = await self._check_health(client, timeout)
             if health.status_code == 200:
+                if self.models is None or not self.healthy:  # a backend back from a restart may serve another
+                    await self._poll_models(client, timeout)
                 await self._poll_load(client, timeout)
         except httpx.TimeoutException:
             self._timeouts += 1
@@ -121,6 +129,14 @@ class Backend:
         """Stop waiting for late /health answers (the router shuts down)."""
         for check in list(self._late_checks):
             check.cancel()
+
+    async def _poll_models(self, client: httpx.AsyncClient, timeout: float) -> None:
+        try:
+            answer = await client.get(self.url + "/v1/models", timeout=timeout)
+            data = answer.json()["data"] if answer.status_code == 200 else None
+            self.models = {m["id"] for m in data} if isinstance(data, list) else None
+        except (httpx.TimeoutException, ValueError, KeyError, TypeError):
+            self.models = None
 
     async def _poll_load(self, client: httpx.AsyncClient, timeout: float) -> None:
         try:

@@ -2,6 +2,7 @@
 rendezvous hashing (so its prefix cache hits), unless that one is overloaded, then the least loaded one."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ COMPLETION_KEY_TOKENS = 32  # ... or its first token ids
 class RouteInfo:
     key: bytes | None   # requests with the same key share a prefix; None: no affinity
     prompt_tokens: int  # estimated
+    model: str | None = None  # the body's "model": only backends serving it take the request, where any does
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,14 @@ def route_info(path: str, body: bytes) -> RouteInfo:
         return RouteInfo(None, 0)
     if not isinstance(data, dict):
         return RouteInfo(None, 0)
+    model = data.get("model") if isinstance(data.get("model"), str) else None
     if path == "/v1/chat/completions":
-        return _chat_info(data.get("messages"))
-    if path == "/v1/completions":
-        return _completion_info(data.get("prompt"))
-    return RouteInfo(None, 0)
+        info = _chat_info(data.get("messages"))
+    elif path == "/v1/completions":
+        info = _completion_info(data.get("prompt"))
+    else:
+        info = RouteInfo(None, 0)
+    return dataclasses.replace(info, model=model)
 
 
 def _weight(key: bytes, backend: Backend) -> int:
@@ -116,10 +121,13 @@ class Router:
         return self.short + self.long
 
     def pick(self, info: RouteInfo, exclude: set[Backend]) -> Choice | None:
-        """None when no backend of either pool is healthy and not excluded."""
+        """None when no backend of either pool is healthy and not excluded. Backends that serve the request's model
+        come first, in either pool; where none does, any takes it and answers with its own 404."""
         pool = self.long if self.long and info.prompt_tokens > self.long_threshold else self.short
-        for candidates in (pool, self.long if pool is self.short else self.short):
-            healthy = [b for b in candidates if b.healthy and b not in exclude]
-            if healthy:
-                return choose(healthy, info.key, self.slack)
+        pools = (pool, self.long if pool is self.short else self.short)
+        for serves in ((lambda b: b.serves(info.model)), (lambda b: True)):
+            for candidates in pools:
+                healthy = [b for b in candidates if b.healthy and b not in exclude and serves(b)]
+                if healthy:
+                    return choose(healthy, info.key, self.slack)
         return None
