@@ -38,6 +38,8 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
     (["simulate", "--model", "llama-3-8b", "--max-model-len", "100000"],
      "max_model_len=100000 exceeds the model's max_position_embeddings 8192"),
     (["simulate", "--model", "llama-3-8b", "--cost-model", "{tmp}/file"], "--cost-model {tmp}/file is not JSON"),
+    (["simulate", "--model", "llama-3-8b", "--num-blocks", "100", "--kv-tokens", "1600"],
+     "give the KV pool one way: --num-blocks or --kv-tokens, not both"),
     # found out after minutes of quantizing or evaluating, with a traceback
     (["quantize", "--method", "int8", "--out", "{tmp}/file/q"], "output folder {tmp}/file/q cannot be created: "
                                                                  "{tmp}/file is not a folder"),

@@ -167,6 +167,8 @@ def check_args(ns: argparse.Namespace) -> None:
     for dest in ("fit_batch_sizes", "fit_prompt_lens"):
         if not getattr(ns, dest):
             raise ValueError(f"--{dest.replace('_', '-')} needs at least one value")
+    if ns.num_blocks and ns.kv_tokens:  # --num-blocks won and --kv-tokens was dropped without a word
+        raise ValueError("give the KV pool one way: --num-blocks or --kv-tokens, not both")
     if ns.classes and not sum(c.num_requests for c in workload_classes(ns)):
         raise ValueError("the workload has no requests: every --class has n=0")
 
