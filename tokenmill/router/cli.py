@@ -5,6 +5,7 @@ import argparse
 import logging
 import math
 import urllib.parse
+from collections.abc import Callable
 
 from tokenmill.units import parse_bytes, parse_port
 
@@ -25,7 +26,7 @@ def _url(value: str) -> str:
     return f"{parts.scheme}://{parts.netloc.lower()}"
 
 
-def _at_least(floor: float, strictly: bool = False, kind: type = float):
+def _at_least(floor: float, strictly: bool = False, kind: type = float) -> Callable[[str], float]:
     """An argparse type: a finite number of `kind` >= floor (> floor if strictly)."""
     def parse(value: str) -> float:
         try:
