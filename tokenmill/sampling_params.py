@@ -150,6 +150,10 @@ class SamplingParams:
                 raise ValueError(f"{name} token ids must be in [0, {vocab_size}) (the model's vocabulary), "
                                  f"got {bad[:5]}")
 
+    def banned_before_min_tokens(self, eos_token_ids: list[int]) -> list[int]:
+        """The ids that cannot be sampled before min_tokens outputs: stop_token_ids, and EOS unless ignore_eos."""
+        return list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1

@@ -162,8 +162,7 @@ class LLMEngine:
         if not left:
             raise ValueError(f"bad_words ban every token of allowed_token_ids {params.allowed_token_ids[:8]}; "
                              "allow a token that no bad word is spelled with alone")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        if params.min_tokens and not left - stops:
+        if params.min_tokens and not left - set(params.banned_before_min_tokens(self.eos_token_ids)):
             raise ValueError(f"min_tokens={params.min_tokens} bans EOS and stop_token_ids until then, and "
                              f"allowed_token_ids {sorted(left)[:8]} has no other token; allow one, or drop "
                              "min_tokens")

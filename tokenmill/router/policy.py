@@ -125,9 +125,10 @@ class Router:
         come first, in either pool; where none does, any takes it and answers with its own 404."""
         pool = self.long if self.long and info.prompt_tokens > self.long_threshold else self.short
         pools = (pool, self.long if pool is self.short else self.short)
-        for serves in ((lambda b: b.serves(info.model)), (lambda b: True)):
+        for by_model in (True, False):
             for candidates in pools:
-                healthy = [b for b in candidates if b.healthy and b not in exclude and serves(b)]
+                healthy = [b for b in candidates if b.healthy and b not in exclude
+                           and (not by_model or b.serves(info.model))]
                 if healthy:
                     return choose(healthy, info.key, self.slack)
         return None

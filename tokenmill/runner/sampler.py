@@ -127,8 +127,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
-                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                ids = [t for t in ids if t < logits.shape[1]]
+                ids = [t for t in p.banned_before_min_tokens(self.eos_token_ids) if t < logits.shape[1]]
                 rows += [i] * len(ids)
                 cols += ids
         if rows:

@@ -99,8 +99,9 @@ class SamplingRequest(_Request):
         None, description="token id (a string of digits) -> bias in [-100, 100], added to its logit before sampling")
     allowed_token_ids: list[int] | None = Field(None, min_length=1,
                                                 description="vLLM's: only these token ids can be sampled")
-    bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS, description="vLLM's: words the output may not contain (a word's last "
-                                                           "token cannot follow the rest of its tokens)")
+    bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS,
+                                         description="vLLM's: words the output may not contain (a word's last token "
+                                                     "cannot follow the rest of its tokens)")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
                                                                        "many tokens")
     response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
