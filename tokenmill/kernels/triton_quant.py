@@ -71,12 +71,14 @@ class MatmulConfig:
 # GEMV; it now serves M = 2..16 (INT8, and INT4 with float16 or float32 x: bf16 INT4 takes triton_int4_mma.py) and
 # has not been re-tuned there. Beyond 16 rows, `--tune`'s grid over Llama-3-8B's four matrices at 64, 512 and 2,048
 # rows on an H100 (docs/BENCHMARKS.md, 2026-12-07): GEMM_LARGE was the faster for INT4 at every row count (a
-# 512-token prefill 2.2 times as fast as on GEMM) and for INT8 at 512 and 2,048 rows; GEMM for INT8 at 64.
+# 512-token prefill 2.2 times as fast as on GEMM). INT8 gains from it only once its tiles fill the GPU more than
+# GEMM_LARGE_WAVES times over: on the H200, gate/up (224 tiles a 128 rows) lost 13% at 128 rows and won 22% at 256;
+# down, qkv and o at 512 rows (128-192 tiles) tied or lost up to 16%; all four won at 2,048 on the H100 (512-1,792 tiles).
 SKINNY_M = 16
 SKINNY = MatmulConfig(16, 32, 256, num_warps=4, num_stages=4)
 GEMM = MatmulConfig(64, 128, 128, num_warps=8, num_stages=3)
 GEMM_LARGE = MatmulConfig(128, 128, 64, num_warps=8, num_stages=4)
-GEMM_LARGE_M = 512  # INT8 from this many rows (between 64 and 512 not measured); INT4 beyond SKINNY_M
+GEMM_LARGE_WAVES = 2  # INT8 takes GEMM_LARGE from more tiles than this many per multiprocessor; INT4 beyond SKINNY_M
 # FP8 beyond 16 rows multiplies e4m3 by e4m3 on the tensor cores (FP8_DOT_MIN_M rows a tile at least: wgmma's)
 # where cuBLAS's FP8 GEMM is slower (triton_fp8_linear.use_scaled_mm); (most rows, config) by rows, the best of
 # `python -m tokenmill.quant.bench --fp8-gemm --tune` on the H200 (docs/BENCHMARKS.md, 2026-12-02). float32
@@ -206,8 +208,14 @@ def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False,
     elif fp8:
         cfg = next(c for most, c in FP8_GEMM if most is None or m <= most)
     else:
-        cfg = GEMM_LARGE if int4 or m >= GEMM_LARGE_M else GEMM
+        cfg = GEMM_LARGE if int4 or _fills_waves(GEMM_LARGE, m, n, device) else GEMM
     return with_split(cfg, m, n, k, device)
+
+
+def _fills_waves(cfg: MatmulConfig, m: int, n: int, device: torch.device) -> bool:
+    """Whether cfg's tiles of an m x n output number more than GEMM_LARGE_WAVES a multiprocessor (one on a CPU)."""
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 1
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) > GEMM_LARGE_WAVES * sms
 
 
 def with_split(cfg: MatmulConfig, m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
