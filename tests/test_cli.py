@@ -1,6 +1,7 @@
 """The console entry point's handling of bad input: a message and status 2, never a traceback."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -133,6 +134,18 @@ def test_a_bad_router_or_server_setting_is_a_message_and_status_2(argv, message)
     r = _run(argv)
     assert r.returncode == 2 and r.stderr.startswith("tokenmill: error: ") and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_port_in_use_is_said_before_the_model_loads():
+    """uvicorn said so only after the model had loaded (minutes for a large one on a GPU)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _run(["serve", "--port", str(port), "--log-level", "info"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"tokenmill: error: cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "serving" not in r.stderr, r.stderr  # logged once the model has loaded
 
 
 def test_a_kv_cache_larger_than_memory_is_a_message():

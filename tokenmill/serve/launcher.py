@@ -65,12 +65,26 @@ def served_model_name(ns: argparse.Namespace, model_path: str | None) -> str:
     return os.path.basename(model_path or "tokenmill").removesuffix(".gguf")
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (as vLLM does), so that a port in use is said at once
+    rather than after the load, and no other process can take the port meanwhile."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run_server(ns: argparse.Namespace) -> None:
     from tokenmill.engine.async_engine import engine_thread
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.serve.api_server import ServerConfig, build_app
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = listening_socket(ns.host, ns.port)
     executor = engine_thread()
     if ns.max_num_batched_tokens is None:  # vLLM's API server's budget for the GPU
         ns.max_num_batched_tokens = server_max_num_batched_tokens(pick_device(ns.device),
@@ -85,4 +99,4 @@ def run_server(ns: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
-    DrainingServer(config, app, ns.shutdown_timeout).run()
+    DrainingServer(config, app, ns.shutdown_timeout).run(sockets=[sock])
