@@ -226,3 +226,16 @@ def test_fp8_checkpoint_round_trip(tiny_model_dir: str, tmp_path) -> None:
             load_model(load_model_config(out), out, quantization=other)
     with pytest.raises(ValueError, match="gptq"):
         resolve_calibration("gptq", fmt)
+
+
+def test_quantizing_a_quantized_gguf_says_it_rounds_twice(default_model_path: str, caplog) -> None:
+    """--quantization int4 on the Q4_1 default model rounds the dequantized Q4_1 weights again: said, as llama.cpp
+    refuses it without --allow-requantize; 'gguf' keeps the blocks and says nothing."""
+    config = load_model_config(default_model_path)
+    with caplog.at_level("WARNING", logger="tokenmill.quant.loading"):
+        load_model(config, default_model_path, quantization="gguf")
+        assert not caplog.records
+        load_model(config, default_model_path, quantization="int4")
+    (record,) = caplog.records
+    assert "stores its weights as Q4_1" in record.getMessage() and "re-quantizes" in record.getMessage()
+    assert "quantization='int4'" in record.getMessage() and "int4-g128" in record.getMessage()

@@ -13,11 +13,13 @@ by the type of its output tensor.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import safe_open
 from torch import nn
 
@@ -30,9 +32,12 @@ from tokenmill.quant.formats import QuantFormat, QuantizedWeight, UnknownMethodE
 from tokenmill.quant.gguf import gguf_to_quantized, native_format
 from tokenmill.quant.linear import QuantLinear, to_quant_linear
 
+logger = logging.getLogger(__name__)
+
 QUANT_METHOD = "tokenmill"           # quantization_config.quant_method of our checkpoints
 IN_FEATURES_KEY = "tokenmill.in_features"  # safetensors metadata: JSON {weight name: in_features}
 GGUF_NATIVE = "gguf"
+FLOAT_GGUF_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 LM_HEAD = "lm_head"
 
 
@@ -89,7 +94,21 @@ def resolve_quantization(quantization: str | None, model_path: str | None, load_
             raise ValueError("quantization='gguf' keeps a GGUF file's own quantized tensors; the model is not "
                              "a GGUF file")
         return QuantSpec(GGUF_NATIVE)
-    return QuantSpec("float", parse_quantization(quantization), lm_head=quantize_lm_head)
+    fmt = parse_quantization(quantization)
+    if load_format == "gguf":
+        _warn_requantizing(model_path, quantization, fmt)
+    return QuantSpec("float", fmt, lm_head=quantize_lm_head)
+
+
+def _warn_requantizing(path: str, quantization: str, fmt: QuantFormat) -> None:
+    """Say that a GGUF file's quantized projections are rounded a second time (llama.cpp's quantize refuses this
+    without --allow-requantize); quality tools compare against their dequantized values on purpose."""
+    stored = sorted({qtype.name for name, qtype in gguf_tensor_types(path).items()
+                     if name.endswith(".weight") and qtype not in FLOAT_GGUF_TYPES})
+    if stored:
+        logger.warning("%s stores its weights as %s; quantization=%r re-quantizes their dequantized values to %s "
+                       "(a second rounding); quantization='gguf' keeps them as stored", path, ", ".join(stored),
+                       quantization, fmt.name)
 
 
 def linear_modules(model: nn.Module) -> dict[str, Linear]:
