@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 import pytest
@@ -47,6 +48,20 @@ def test_non_streaming_disconnect_frees_blocks(server, baseline):
         httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=httpx.Timeout(60, read=1.5))
     assert wait_until(lambda: idle(server), timeout=5)
     assert server.metric("tokenmill:request_abort_total", reason="client_disconnect") == baseline + 1
+
+
+def test_non_streaming_disconnect_during_prefill_is_an_abort(server, baseline):
+    """The client leaves while the prompt's prefill runs, in a step that also samples the only token asked for:
+    the request is aborted, not counted as finished (the disconnect once went unheard until the request's first
+    step was over, by which time this one had finished). A fresh prompt, so no prefix cache shortens the step."""
+    success = server.metric("tokenmill:request_success_total")
+    prompt = uuid.uuid4().hex + " hello" * 150
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                   timeout=httpx.Timeout(60, read=0.05))
+    assert wait_until(lambda: idle(server))
+    assert server.metric("tokenmill:request_abort_total", reason="client_disconnect") == baseline + 1
+    assert server.metric("tokenmill:request_success_total") == success
 
 
 def test_request_timeout(server, baseline):

@@ -2,15 +2,15 @@
 engine requests; their outputs become one JSON response or a stream of server-sent events ending in [DONE].
 
 A request whose client goes away, streaming or not, is aborted at once, so its KV blocks are freed before the next
-engine step."""
+engine step; the disconnect is watched from the moment a handler starts, before the engine has taken the request."""
 from __future__ import annotations
 
 import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -29,6 +29,8 @@ from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkCho
                                       DeltaMessage, PromptLogprob, PromptLogprobs, SamplingRequest, TokenLogprob,
                                       TopLogprob, Usage)
 from tokenmill.tokenizer import check_chat_template_kwargs, compiled_chat_template
+
+_Req = TypeVar("_Req", bound=SamplingRequest)
 
 RETRY_AFTER_S = 1
 FITS_SLACK = 4  # how much a tokenizer's normalizer may shrink a text, at most (encode's fits)
@@ -95,6 +97,29 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _cancel_on_disconnect(handler: Callable[[OpenAIServing, _Req], Awaitable[Response]]
+                          ) -> Callable[[OpenAIServing, _Req, Request], Awaitable[Response]]:
+    """vLLM's with_cancellation: the handler runs only while its client is connected, and its cancellation aborts
+    the requests it added. Watching only once the engine had taken a request missed a client gone during the
+    request's first step: a prompt prefilled and answered in that step counted as finished, not aborted."""
+
+    @functools.wraps(handler)
+    async def run(self: OpenAIServing, req: _Req, raw: Request) -> Response:
+        work = asyncio.ensure_future(handler(self, req))
+        watcher = asyncio.ensure_future(_wait_disconnect(raw))
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            work.cancel()
+        if work not in done:
+            await asyncio.gather(work, return_exceptions=True)  # its aborts are made before the 499
+            raise APIError(499, "the client disconnected", code="client_disconnected")
+        return work.result()
+
+    return run
 
 
 class OpenAIServing:
@@ -217,29 +242,18 @@ class OpenAIServing:
             return APIError(503, str(e), code="engine_unavailable")
         return APIError(500, str(e), code="engine_error")
 
-    async def _collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-        """The final output of each request; aborts them all if the client disconnects first."""
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """The final output of each request; those unfinished are aborted if it ends first (an error, or the
+        handler cancelled by its client's disconnect)."""
         finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
-
-        async def consume() -> None:
-            async for i, out in _merge(streams):
-                finals[i] = out
-
-        consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(_wait_disconnect(raw))
         reason = "client_disconnect"
         try:
-            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if consumer not in done:
-                raise APIError(499, "the client disconnected", code="client_disconnected")
-            try:
-                consumer.result()
-            except (RequestTimeoutError, RequestFailedError) as e:
-                reason = "error"
-                raise self._request_error(e) from e
+            async for i, out in _merge(streams):
+                finals[i] = out
+        except (RequestTimeoutError, RequestFailedError) as e:
+            reason = "error"
+            raise self._request_error(e) from e
         finally:
-            consumer.cancel()
-            watcher.cancel()
             self._abort(streams, reason)
         return finals
 
@@ -352,7 +366,8 @@ class OpenAIServing:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
         return await self.encode(text, add_special_tokens=False, fits="messages" if fits else None)
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    @_cancel_on_disconnect
+    async def chat(self, req: ChatCompletionRequest) -> Response:
         self._admit(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
@@ -370,7 +385,7 @@ class OpenAIServing:
         if req.stream:
             return EventStreamResponse(self._chat_events(rid, created, streams, req, len(ids)),
                                        lambda: self._abort(streams, "client_disconnect"))
-        out = (await self._collect(streams, raw))[0]
+        out = (await self._collect(streams))[0]
         echo = self._chat_echo(req)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=echo + c.text),
                               finish_reason=c.finish_reason,
@@ -453,7 +468,8 @@ class OpenAIServing:
             ids.append(list(p))
         return ids
 
-    async def completion(self, req: CompletionRequest, raw: Request) -> Response:
+    @_cancel_on_disconnect
+    async def completion(self, req: CompletionRequest) -> Response:
         self._admit(req)
         prompts = await self._completion_prompts(req.prompt,
                                                  "prompt" if req.truncate_prompt_tokens is None else None)
@@ -474,7 +490,7 @@ class OpenAIServing:
         if req.stream:
             return EventStreamResponse(self._completion_events(rid, created, streams, req, prompt_len, echo),
                                        lambda: self._abort(streams, "client_disconnect"))
-        outs = await self._collect(streams, raw)
+        outs = await self._collect(streams)
         choices, completions = [], []
         for i, out in enumerate(outs):
             for c in out.outputs:
