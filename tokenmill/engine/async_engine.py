@@ -24,6 +24,8 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+STOP_WAIT_S = 5.0  # how long stop() waits for a step still running
+
 
 class RequestFailedError(RuntimeError):
     """The request was cut off: the engine failed while running it, or the server shut down."""
@@ -115,7 +117,9 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="tokenmill-engine-loop")
 
     async def stop(self) -> None:
-        """Stop the loop after the current iteration; whatever is still in flight fails and leaves the engine."""
+        """Stop the loop; whatever is still in flight fails and leaves the engine. A step cannot be interrupted
+        (one long prefill can take minutes on a CPU), so a step still running after STOP_WAIT_S is not waited for:
+        the engine thread is left to end it alone, and a shutdown does not last as long as the step."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -124,7 +128,13 @@ class AsyncEngine:
                 pass
         left = list(self._streams)
         self.abort_all("shutdown", RequestFailedError("the server shut down before the request finished"))
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.abort_request, left)
+        leave = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.abort_request, left)
+        try:
+            await asyncio.wait_for(leave, STOP_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.warning("the engine thread is still in a step after %.1f s; not waiting for it", STOP_WAIT_S)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            return
         self._executor.shutdown(wait=True)
 
     @property

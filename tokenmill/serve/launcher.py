@@ -2,7 +2,8 @@
 
 The first SIGTERM (or Ctrl-C) stops taking new requests (they get 503, and so does /health) while the requests in
 flight finish, for up to the grace period; whatever is left is then aborted and the process exits with status 0.
-A second signal exits at once."""
+A second signal exits at once. Neither waits more than a few seconds for an engine step that is still running: a
+step cannot be interrupted, and one long prefill can last minutes."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,8 @@ import asyncio
 import logging
 import os
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 
 import uvicorn
@@ -23,6 +26,7 @@ from tokenmill.engine.devices import pick_device, server_max_num_batched_tokens
 logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
+ENGINE_THREAD_EXIT_S = 1.0  # how long the process waits, once served, for the engine thread to end
 
 
 class DrainingServer(uvicorn.Server):
@@ -57,6 +61,18 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def leave_engine_thread(executor: ThreadPoolExecutor, worker: threading.Thread) -> None:
+    """Python joins the engine thread at exit, which is to wait for the step it is in (its requests have been
+    aborted already); a step still running after ENGINE_THREAD_EXIT_S is abandoned by exiting at once, with the
+    status of a drained server."""
+    executor.shutdown(wait=False, cancel_futures=True)
+    worker.join(ENGINE_THREAD_EXIT_S)
+    if worker.is_alive():
+        logger.warning("exiting while the engine thread is still in a step")
+        logging.shutdown()
+        os._exit(0)
+
+
 def served_model_name(ns: argparse.Namespace, model_path: str | None) -> str:
     if ns.served_model_name:
         return ns.served_model_name
@@ -86,6 +102,7 @@ def run_server(ns: argparse.Namespace) -> None:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = listening_socket(ns.host, ns.port)
     executor = engine_thread()
+    worker = executor.submit(threading.current_thread).result()
     if ns.max_num_batched_tokens is None:  # vLLM's API server's budget for the GPU
         ns.max_num_batched_tokens = server_max_num_batched_tokens(pick_device(ns.device),
                                                                   EngineArgs.max_num_batched_tokens)
@@ -100,3 +117,4 @@ def run_server(ns: argparse.Namespace) -> None:
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
     DrainingServer(config, app, ns.shutdown_timeout).run(sockets=[sock])
+    leave_engine_thread(executor, worker)
