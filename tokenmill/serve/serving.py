@@ -358,10 +358,11 @@ class OpenAIServing:
                 compiled_chat_template(chat_template)
             except ValueError as e:
                 raise APIError(400, str(e), "chat_template") from e
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message,
-                                                      chat_template=chat_template, chat_template_kwargs=template_vars)
+        try:  # in a worker thread: a template is Python, and a long chat took the event loop for a second
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           chat_template=chat_template, chat_template_kwargs=template_vars)
         except Exception as e:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
         return await self.encode(text, add_special_tokens=False, fits="messages" if fits else None)
