@@ -104,6 +104,7 @@ class AsyncEngine:
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}
         self._adds: list[_Add] = []
+        self._taking: list[_Add] = []  # the adds of the iteration the worker is running
         self._aborts: list[str] = []
         self._executor = executor or engine_thread()
         self._wakeup: asyncio.Event | None = None
@@ -189,16 +190,19 @@ class AsyncEngine:
 
     def abort(self, request_id: str, reason: str, error: Exception | None = None) -> None:
         """Abort a request in flight; the engine frees its blocks before its next step. A request whose add
-        the worker has not taken yet never reaches the engine: its add raises `error`."""
+        the worker has not taken yet never reaches the engine; one whose add it is taking is aborted after that
+        step. Either way its add raises `error` now: at shutdown the loop is cancelled and the step may never
+        be dispatched, and its client would wait for nothing."""
         if self._streams.pop(request_id, None) is None:
             return
         pending = next((a for a in self._adds if a.request_id == request_id), None)
         if pending is None:
             self._aborts.append(request_id)
+            pending = next((a for a in self._taking if a.request_id == request_id), None)
         else:
             self._adds.remove(pending)
-            if not pending.done.done():
-                pending.done.set_exception(error or RequestFailedError("the request was aborted before it started"))
+        if pending is not None and not pending.done.done():
+            pending.done.set_exception(error or RequestFailedError("the request was aborted before it started"))
         if self.observer is not None:
             self.observer.on_abort(reason, request_id)
         self._kick()
@@ -236,10 +240,13 @@ class AsyncEngine:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             in_flight = list(self._streams)
+            self._taking = adds
             try:
                 it = await loop.run_in_executor(self._executor, self._iterate, adds, aborts, in_flight)
+                self._taking = []
                 self._dispatch(adds, it)
             except Exception as e:  # a bug outside the engine step: fail what is in flight, keep serving
+                self._taking = []
                 logger.exception("engine loop iteration failed")
                 for a in adds:
                     if not a.done.done():

@@ -225,7 +225,7 @@ class OpenAIServing:
                 field = str(e).split(" ")[0].split("=")[0]
                 raise APIError(400, str(e), field if field in type(req).model_fields else None, "invalid_value") from e
             if isinstance(e, RequestFailedError):
-                raise APIError(503, str(e), code="engine_unavailable") from e
+                raise APIError(503, str(e), code="shutdown" if self.draining else "engine_unavailable") from e
             raise
 
     def _abort(self, streams: list[RequestStream], reason: str) -> None:
