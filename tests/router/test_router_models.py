@@ -81,3 +81,22 @@ def test_a_request_goes_to_a_backend_that_serves_its_model(router, model_name, p
         assert httpx.post(router.url + path, json=varied, timeout=60).status_code == 200
     r = httpx.post(router.url + path, json={**body, "model": "gpt-4"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_backends_that_need_a_key_are_routed_by_model_with_the_routers_key(backends, model_name):
+    """A backend started with --api-key refused the router's /v1/models, so it counted as serving every model and
+    got about half the requests naming another; with --backend-api-key the router knows what it serves."""
+    keyed = Proc("serve", *SERVER_ARGS, "--served-model-name", "keyed", "--api-key", "k3y").wait_ready()
+    router = start_router("--backend", backends[0].url, "--backend", keyed.url, "--backend-api-key", "k3y")
+    try:
+        auth = {"Authorization": "Bearer k3y"}
+        assert sorted(m["id"] for m in httpx.get(router.url + "/v1/models", headers=auth).json()["data"]) == \
+            sorted([model_name, "keyed"])
+        for i in range(6):  # other prompts: other affinity keys, so both backends would be picked
+            for model in (model_name, "keyed"):
+                r = httpx.post(router.url + "/v1/completions", headers=auth, timeout=60,
+                               json={"model": model, "prompt": f"Hi {i}", "max_tokens": 1})
+                assert r.status_code == 200 and r.json()["model"] == model, r.text
+    finally:
+        router.stop()
+        keyed.stop()

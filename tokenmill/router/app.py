@@ -34,11 +34,14 @@ class RouterConfig:
     poll_interval: float = 0.5         # seconds
     health_timeout: float = 2.0        # seconds; also the connect timeout of proxied requests
     max_request_bytes: int = 16 << 20  # larger bodies get 413 before the router reads them whole
+    backend_api_key: str | None = None  # the backends' --api-key, for the router's own /v1/models requests
 
 
 def build_app(config: RouterConfig) -> FastAPI:
-    router = Router([Backend(u, "short") for u in config.backends], [Backend(u, "long") for u in config.long_backends],
-                    config.long_prompt_threshold, config.affinity_slack)
+    key = config.backend_api_key
+    router = Router([Backend(u, "short", key) for u in config.backends],
+                    [Backend(u, "long", key) for u in config.long_backends], config.long_prompt_threshold,
+                    config.affinity_slack)
     metrics = RouterMetrics(router.backends)
     # no read timeout: a generation takes as long as it takes, and a dead backend is caught by the health check;
     # idle connections are dropped before a backend's (uvicorn's 5 s keep-alive), so no request goes out on one

@@ -19,9 +19,10 @@ LOAD_GAUGES = {"tokenmill:num_requests_running": "running", "tokenmill:num_reque
 
 
 class Backend:
-    def __init__(self, url: str, pool: str) -> None:
+    def __init__(self, url: str, pool: str, api_key: str | None = None) -> None:
         self.url = url
         self.pool = pool
+        self.api_key = api_key        # sent with the router's own /v1/models requests (--backend-api-key)
         self.healthy = False          # routable: the last /health said 200 and no request failed to connect since
         self.dead = asyncio.Event()   # set while unreachable: the requests in flight on it give up
         self.in_flight = 0            # requests this router has open on it
@@ -29,6 +30,7 @@ class Backend:
         self.waiting = 0.0
         self.kv_usage = 0.0
         self.models: set[str] | None = None  # the ids its /v1/models lists; None: not known (it needs a key)
+        self._models_refused = False  # its /v1/models said 401/403: not asked again until it comes back healthy
         self._timeouts = 0
         self._last_progress = float("-inf")  # time.monotonic() of the last bytes a request in flight got from it
         self._checks = 0                     # /health requests sent
@@ -81,8 +83,8 @@ class Backend:
         try:
             health = await self._check_health(client, timeout)
             if health.status_code == 200:
-                if self.models is None or not self.healthy:  # a backend back from a restart may serve another
-                    await self._poll_models(client, timeout)
+                if not self.healthy or (self.models is None and not self._models_refused):
+                    await self._poll_models(client, timeout)  # a backend back from a restart may serve another
                 await self._poll_load(client, timeout)
         except httpx.TimeoutException:
             self._timeouts += 1
@@ -131,8 +133,14 @@ class Backend:
             check.cancel()
 
     async def _poll_models(self, client: httpx.AsyncClient, timeout: float) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
-            answer = await client.get(self.url + "/v1/models", timeout=timeout)
+            answer = await client.get(self.url + "/v1/models", headers=headers, timeout=timeout)
+            self._models_refused = answer.status_code in (401, 403)
+            if self._models_refused:
+                logger.warning("backend %s refused the router's /v1/models (%d): requests naming a model may go to "
+                               "it whichever it serves; give the router its key with --backend-api-key", self.url,
+                               answer.status_code)
             data = answer.json()["data"] if answer.status_code == 200 else None
             self.models = {m["id"] for m in data} if isinstance(data, list) else None
         except (httpx.TimeoutException, ValueError, KeyError, TypeError):

@@ -58,6 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
                    help="larger request bodies get 413 from the router itself, which reads a body whole before "
                         "routing it (default: 16MiB, as a server's)")
+    p.add_argument("--backend-api-key", metavar="KEY",
+                   help="the backends' --api-key, sent with the router's own /v1/models requests so that it knows "
+                        "which models each serves (clients' requests carry their own key)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=parse_port, default=8080, help="port to listen on (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=_at_least(0), default=30.0, metavar="S",
@@ -85,6 +88,6 @@ def run(ns: argparse.Namespace) -> None:
     app = build_app(RouterConfig(backends=ns.backend, long_backends=ns.long_backend,
                                  long_prompt_threshold=ns.long_prompt_threshold, affinity_slack=ns.affinity_slack,
                                  poll_interval=ns.poll_interval, health_timeout=ns.health_timeout,
-                                 max_request_bytes=ns.max_request_bytes))
+                                 max_request_bytes=ns.max_request_bytes, backend_api_key=ns.backend_api_key))
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                 timeout_graceful_shutdown=ns.shutdown_timeout)
