@@ -99,6 +99,13 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _invalid_value(e: ValueError, req: SamplingRequest) -> APIError:
+    """The 400 of a SamplingParams or engine ValueError: its message begins with the field it is about ('top_p
+    must be ...', 'priority=9 ...'), which is the error's param where the request has that field."""
+    field = str(e).split(" ")[0].split("=")[0]
+    return APIError(400, str(e), field if field in type(req).model_fields else None, "invalid_value")
+
+
 def _cancel_on_disconnect(handler: Callable[[OpenAIServing, _Req], Awaitable[Response]]
                           ) -> Callable[[OpenAIServing, _Req, Request], Awaitable[Response]]:
     """vLLM's with_cancellation: the handler runs only while its client is connected, and its cancellation aborts
@@ -204,7 +211,7 @@ class OpenAIServing:
                                     allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
             params.verify_vocab(self.engine.engine.model_config.vocab_size)
         except ValueError as e:
-            raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from e
+            raise _invalid_value(e, req) from e
         return params
 
     async def _add(self, prompts: list[tuple[str, list[int], SamplingParams]],
@@ -221,9 +228,8 @@ class OpenAIServing:
             if isinstance(e, QueueFullError):
                 self.metrics.on_reject("queue_full")
                 raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-            if isinstance(e, ValueError):  # the engine's messages begin with the field they are about
-                field = str(e).split(" ")[0].split("=")[0]
-                raise APIError(400, str(e), field if field in type(req).model_fields else None, "invalid_value") from e
+            if isinstance(e, ValueError):
+                raise _invalid_value(e, req) from e
             if isinstance(e, RequestFailedError):
                 raise APIError(503, str(e), code="shutdown" if self.draining else "engine_unavailable") from e
             raise
