@@ -113,8 +113,11 @@ def test_a_bad_chat_template_stops_serve_before_the_model_loads(value, message, 
     (["router", "--backend", "h:1", "--long-prompt-threshold", "-5"], "must be an integer >= 0, got '-5'"),
     (["router", "--backend", "h:1", "--port", "70000"], "argument --port: must be a port number in [0, 65535]"),
     (["serve", "--port", "-1"], "argument --port: must be a port number in [0, 65535], got '-1'"),
+    # random weights were quantized (or scored) without a word, though --help lists no dummy
+    (["quantize", "--method", "int8", "--out", "q", "--load-format", "dummy"], "argument --load-format: invalid choice"),
+    (["quant-eval", "--load-format", "dummy"], "argument --load-format: invalid choice: 'dummy'"),
 ])
-def test_a_bad_router_or_server_flag_is_argparses_error(argv, message):
+def test_a_bad_flag_is_argparses_error(argv, message):
     r = _run(argv)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]

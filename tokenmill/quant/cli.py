@@ -14,7 +14,8 @@ from tokenmill.quant.quantize import CALIBRATIONS, check_can_create
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the bundled SmolLM2 GGUF)")
-    p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf (default: %(default)s)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf"],  # not dummy: no weights
+                   help="auto | safetensors | gguf (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=None, choices=GROUP_SIZES,
                    help="inputs per scale: int4 default 128; int8 default one scale per output channel (fp8: always)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
