@@ -34,3 +34,9 @@ def parse_port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}")
     return int(text)
+
+
+def check_max_request_bytes(size: int) -> None:
+    """--max-request-bytes of `serve` and `router`: under one byte every request would be a 413."""
+    if size < 1:
+        raise ValueError(f"--max-request-bytes must be at least 1 byte, got {size}")

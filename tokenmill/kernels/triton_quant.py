@@ -212,15 +212,19 @@ def pick_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False,
     return with_split(cfg, m, n, k, device)
 
 
+def _num_tiles(cfg: MatmulConfig, m: int, n: int) -> int:
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+
+
 def _fills_waves(cfg: MatmulConfig, m: int, n: int, device: torch.device) -> bool:
     """Whether cfg's tiles of an m x n output number more than GEMM_LARGE_WAVES a multiprocessor (one on a CPU)."""
     sms = num_sms(device.index or 0) if device.type == "cuda" else 1
-    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) > GEMM_LARGE_WAVES * sms
+    return _num_tiles(cfg, m, n) > GEMM_LARGE_WAVES * sms
 
 
 def with_split(cfg: MatmulConfig, m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
     """cfg with K split over programs until there are about two per multiprocessor (at most 16 splits)."""
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    tiles = _num_tiles(cfg, m, n)
     target = 2 * num_sms(device.index or 0) if device.type == "cuda" else 1
     return dataclasses.replace(cfg, split_k=max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg.block_k), 16)))
 

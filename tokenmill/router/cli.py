@@ -7,7 +7,7 @@ import math
 import urllib.parse
 from collections.abc import Callable
 
-from tokenmill.units import parse_bytes, parse_port
+from tokenmill.units import check_max_request_bytes, parse_bytes, parse_port
 
 
 def _url(value: str) -> str:
@@ -81,8 +81,7 @@ def run(ns: argparse.Namespace) -> None:
     given = ns.backend + ns.long_backend
     if twice := sorted({url for url in given if given.count(url) > 1}):
         raise ValueError(f"each backend may be given once, in one pool; given more than once: {', '.join(twice)}")
-    if ns.max_request_bytes < 1:
-        raise ValueError(f"--max-request-bytes must be at least 1 byte, got {ns.max_request_bytes}")
+    check_max_request_bytes(ns.max_request_bytes)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll and per proxied request otherwise
     app = build_app(RouterConfig(backends=ns.backend, long_backends=ns.long_backend,

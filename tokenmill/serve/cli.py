@@ -5,7 +5,7 @@ import argparse
 import os
 
 from tokenmill.engine.arg_utils import add_engine_args
-from tokenmill.units import parse_bytes, parse_port
+from tokenmill.units import check_max_request_bytes, parse_bytes, parse_port
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,6 @@ def chat_template_arg(value: str) -> tuple[str, str]:
 
 
 def run(ns: argparse.Namespace) -> None:
-    if ns.max_request_bytes < 1:  # every request would be a 413
-        raise ValueError(f"--max-request-bytes must be at least 1 byte, got {ns.max_request_bytes}")
+    check_max_request_bytes(ns.max_request_bytes)
     from tokenmill.serve.launcher import run_server
     run_server(ns)
