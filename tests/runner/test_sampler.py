@@ -174,6 +174,32 @@ def test_bad_words_mask_a_last_token_after_the_rest():
     assert torch.equal(processed, logits[:, :4])
 
 
+def test_bad_words_that_would_ban_every_allowed_token_are_lifted_for_that_step():
+    """Longer bad words whose last tokens cover what allowed_token_ids leaves (with min_tokens, beside EOS) are
+    not applied at that step: every logit -inf would answer with a token outside allowed_token_ids (7 here). One
+    that leaves an allowed token still applies, and so do one-token words."""
+    logits = torch.zeros(1, 8)
+    logits[0, 7], logits[0, 5], logits[0, 6] = 9.0, 2.0, 1.0
+    for sampled in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        r = Request("a", [1], SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[3, 5], [3, 6]],
+                                             **sampled))
+        r.append_token(3)
+        assert make()(logits.clone(), [r]).token_ids[0] in (5, 6)
+        r = Request("b", [1], SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[3, 5], [6]],
+                                             **sampled))
+        r.append_token(3)
+        assert make()(logits.clone(), [r]).token_ids == [5]
+    r = Request("c", [1], SamplingParams(temperature=0, allowed_token_ids=[0, 5], min_tokens=3,
+                                         bad_words_token_ids=[[3, 5]]))
+    r.append_token(3)
+    processed, _ = make().process(logits.clone(), [r])
+    assert processed[0, 5] == 2.0 and processed[0, 0] == float("-inf")
+    r.append_token(3)
+    r.append_token(3)  # min_tokens reached: EOS may come, so the word applies again
+    processed, _ = make().process(logits.clone(), [r])
+    assert processed[0, 5] == float("-inf") and processed[0, 0] == 0.0
+
+
 def test_logprobs_are_log_softmax_with_top_k():
     logits = torch.randn(1, 8)
     out = make()(logits.clone(), [req(0, temperature=0, logprobs=3)])

@@ -155,7 +155,8 @@ class LLMEngine:
     def _check_a_token_is_allowed(self, params: SamplingParams) -> None:
         """allowed_token_ids that the request's other bans cover would leave every logit -inf, and the sampler
         would answer with a token it was told not to (vLLM's too): the caller's error, found on arrival. A
-        multi-token bad word bans its last token only after the rest, which no check on arrival can foresee."""
+        multi-token bad word bans its last token only after the rest, which no check on arrival can foresee: the
+        sampler lifts such words for a step where they would ban every allowed token (Sampler._apply_bad_words)."""
         if params.allowed_token_ids is None:
             return
         left = set(params.allowed_token_ids) - {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}

@@ -83,25 +83,40 @@ class Sampler:
             row.fill_(float("-inf"))
             row[keep] = kept
 
-    @staticmethod
-    def _apply_bad_words(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_bad_words(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         """vLLM's bad words: a sequence's last token to -inf where the output ends with the rest of it (always, for
         a one-token word). A drafted view's output holds its drafts, so each draft position is masked as decoding
-        would mask it."""
+        would mask it. Where a request's longer words would ban every token its allowed_token_ids leaves (which
+        no check on arrival can foresee), they are lifted for that step: allowed_token_ids stays the hard limit,
+        where an all -inf row would be answered with a token outside it (vLLM's is)."""
         rows, cols = [], []
         for i, r in enumerate(reqs):
             seqs = r.sampling_params.bad_words_token_ids
             if not seqs:
                 continue
             out = r.output_token_ids
+            banned = []
             for ids in seqs:
                 prefix = len(ids) - 1
                 if ids[-1] < logits.shape[1] and (not prefix or (len(out) >= prefix and out[-prefix:] == ids[:-1])):
-                    rows.append(i)
-                    cols.append(ids[-1])
+                    banned.append((prefix, ids[-1]))
+            if self._leaves_no_allowed_token(r, {t for _, t in banned}, logits.shape[1]):
+                banned = [(prefix, t) for prefix, t in banned if not prefix]
+            rows += [i] * len(banned)
+            cols += [t for _, t in banned]
         if rows:
             index = device_tensor([rows, cols], torch.long, logits.device)
             logits.index_put_((index[0], index[1]), logits.new_full((len(rows),), float("-inf")))
+
+    def _leaves_no_allowed_token(self, req: Request, banned: set[int], vocab: int) -> bool:
+        """Whether banning these ids (and, before min_tokens, the stop ids) leaves none of the request's
+        allowed_token_ids (False where it has none, or they lie past this sampler's vocabulary)."""
+        p = req.sampling_params
+        if p.allowed_token_ids is None or p.allowed_token_ids[0] >= vocab:
+            return False
+        if req.num_output_tokens < p.min_tokens:
+            banned = banned | set(p.banned_before_min_tokens(self.eos_token_ids))
+        return all(t in banned for t in p.allowed_token_ids if t < vocab)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.repetition_penalty != 1.0
