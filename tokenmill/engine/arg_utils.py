@@ -36,7 +36,7 @@ _HELP = {
     "timeout_s": "default per-request deadline in seconds",
     "enforce_eager": "disable CUDA graphs",
     "async_scheduling": "overlap each step's host work with the previous step on the GPU (tokens fed from the "
-                        "device; off with speculation, tensor parallelism, penalties or logprobs)",
+                        "device; off with speculation, and for steps with penalties, bad words or logprobs)",
     "quantization": "weight quantization: int8 | int4 | fp8 (e4m3 weights and per-token activations) | gguf (a GGUF "
                     "file's own quantized tensors)",
     "quantize_lm_head": "with --quantization int8 | int4 | fp8: quantize the LM head too (off, as in vLLM: a quantized "
