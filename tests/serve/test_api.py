@@ -470,6 +470,31 @@ def test_completion_echo_with_logprobs_scores_the_prompt(server, client, model_n
         assert entry["logprob"] == pytest.approx(chosen[i], abs=1e-4) and entry["rank"] >= 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_with_max_tokens_0_returns_the_prompt_alone(server, client, model_name, stream):
+    """echo with max_tokens 0 (OpenAI's legacy way to score a text, vLLM's too): each choice is its prompt and the
+    prompt's logprobs, nothing generated, ended by length; without echo 0 tokens is still refused."""
+    prompt = "The capital of France is"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    scored = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    kwargs = dict(stream_options={"include_usage": True}) if stream else {}
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=0, echo=True, logprobs=1, n=2,
+                                  stream=stream, **kwargs)
+    parts = list(r) if stream else [r]
+    for index in (0, 1):
+        choices = [c for p in parts for c in p.choices if c.index == index]
+        assert "".join(c.text for c in choices) == prompt
+        assert [c.finish_reason for c in choices][-1] == "length"
+        tokens = [t for c in choices for t in c.logprobs.tokens]
+        assert len(tokens) == len(ids) and tokens == scored.choices[0].logprobs.tokens[:len(ids)]
+        assert [v for c in choices for v in c.logprobs.token_logprobs] == pytest.approx(
+            scored.choices[0].logprobs.token_logprobs[:len(ids)], abs=1e-4)
+    usage = parts[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), 0, len(ids))
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_prompt_logprobs_entries(server, client, model_name):
     """vLLM's prompt_logprobs: per prompt position (None first) the prompt token's logprob, rank and text, and
     the k likeliest tokens with ranks 1..k; on chat completions at the response's top level."""

@@ -265,7 +265,8 @@ class ChatCompletionChunk(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         description="a prompt, a list of prompts, or token ids (one list or a list of lists)")
-    max_tokens: int | None = Field(16, ge=1, description="null: what the context leaves")
+    max_tokens: int | None = Field(16, ge=0, description="null: what the context leaves; 0 only with echo: the "
+                                                          "prompt alone (with logprobs, its tokens scored)")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k alternatives per token")
     suffix: str | None = Field(None, description="not supported: refused unless null")
     best_of: int | None = Field(None, description="not supported: refused unless null or equal to n")

@@ -478,11 +478,15 @@ class OpenAIServing:
     @_cancel_on_disconnect
     async def completion(self, req: CompletionRequest) -> Response:
         self._admit(req)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens must be at least 1; 0 is allowed only with echo: true, which returns "
+                                "the prompt alone", "max_tokens", "invalid_value")
         prompts = await self._completion_prompts(req.prompt,
                                                  "prompt" if req.truncate_prompt_tokens is None else None)
         if req.truncate_prompt_tokens is not None:
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
-        max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt") for ids in prompts]
+        requested = 1 if req.max_tokens == 0 else req.max_tokens  # the engine samples at least one token
+        max_tokens = [self._max_tokens(len(ids), requested, "prompt") for ids in prompts]
         # an echoed prompt's tokens get logprobs too (OpenAI's legacy behaviour, vLLM's)
         echo_k = req.logprobs if req.echo else None
         prompt_k = max((k for k in (req.prompt_logprobs, echo_k) if k is not None), default=None)
@@ -500,7 +504,7 @@ class OpenAIServing:
         outs = await self._collect(streams)
         choices, completions = [], []
         for i, out in enumerate(outs):
-            for c in out.outputs:
+            for c in self._shown_outputs(req, out):
                 completions.append(c)
                 choices.append(CompletionChoice(
                     index=i * req.n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason,
@@ -510,6 +514,16 @@ class OpenAIServing:
         body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                   usage=self._usage(prompt_len, completions))
         return Response(body.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def _shown_outputs(req: CompletionRequest, out: RequestOutput) -> list[CompletionOutput]:
+        """The outputs a client sees. echo with max_tokens 0 (OpenAI's legacy way to score a prompt, vLLM's too)
+        asks for the prompt alone: the one token the engine samples is left out, its text, logprob and count,
+        and the choice ends as a limit of 0 tokens would, by length."""
+        if not (req.echo and req.max_tokens == 0):
+            return out.outputs
+        return [CompletionOutput(index=c.index, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                 finish_reason=c.finish_reason and "length") for c in out.outputs]
 
     @staticmethod
     def _echoed_logprobs(req: CompletionRequest, out: RequestOutput) -> list[Logprob | None]:
@@ -534,7 +548,7 @@ class OpenAIServing:
         finished: dict[int, CompletionOutput] = {}  # by index: the engine reports a finished choice at every step
         try:                                          # until the whole group ends
             async for i, out in _merge(streams):
-                for c in out.outputs:
+                for c in self._shown_outputs(req, out):
                     index = i * req.n + c.index
                     if index in finished:
                         continue
