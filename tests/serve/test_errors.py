@@ -150,6 +150,12 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (True, "guided_choice", dict(extra_body={"guided_choice": ["yes", "no"]})),
     (True, "guided_grammar", dict(extra_body={"guided_grammar": 'root ::= "a"'})),
     (True, "structured_outputs", dict(extra_body={"structured_outputs": {"choice": ["yes", "no"]}})),
+    (True, "use_beam_search", dict(extra_body={"use_beam_search": True})),
+    (False, "use_beam_search", dict(extra_body={"use_beam_search": True}, stream=True)),
+    (True, "return_tokens_as_token_ids", dict(logprobs=True, extra_body={"return_tokens_as_token_ids": True})),
+    (False, "return_tokens_as_token_ids", dict(logprobs=1, extra_body={"return_tokens_as_token_ids": True})),
+    (True, "return_token_ids", dict(extra_body={"return_token_ids": True}, stream=True)),
+    (False, "return_token_ids", dict(extra_body={"return_token_ids": True})),
     (False, "guided_json", dict(extra_body={"guided_json": '{"type": "object"}'})),
     (False, "guided_regex", dict(extra_body={"guided_regex": "[0-9]+"})),
     (False, "guided_choice", dict(extra_body={"guided_choice": []})),
@@ -174,7 +180,8 @@ def test_unsupported_fields_at_their_neutral_values_are_accepted(client, model_n
                                        response_format={"type": "text"}, tools=[], tool_choice="none",
                                        function_call="none",
                                        extra_body={"echo": False, "ignore_eos": True, "guided_json": None,
-                                                   "structured_outputs": None})
+                                                   "structured_outputs": None, "use_beam_search": False,
+                                                   "return_tokens_as_token_ids": False, "return_token_ids": False})
     assert r.usage.completion_tokens == 2
     r = client.completions.create(model=model_name, prompt="hi", max_tokens=2, n=2, best_of=2, echo=False,
                                   extra_body={"ignore_eos": True, "some_unknown_field": 1})

@@ -108,6 +108,9 @@ class SamplingRequest(_Request):
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: the logprob and rank of each prompt "
                                                                      "token and its k likeliest alternatives "
                                                                      "(not with stream)")
+    use_beam_search: bool = Field(False, description="vLLM's; not supported: refused unless false")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM's; not supported: refused unless false")
+    return_token_ids: bool = Field(False, description="vLLM's; not supported: refused unless false")
     # GUIDED_FIELDS, typed Any so that every non-null value is refused by name, not failed as a wrong type
     guided_json: Any = Field(None, description="vLLM's; not supported: refused unless null")
     guided_regex: Any = Field(None, description="vLLM's; not supported: refused unless null")
@@ -124,6 +127,15 @@ class SamplingRequest(_Request):
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come with the whole response
             out.append(("prompt_logprobs", "prompt_logprobs is not supported with stream: true (as in vLLM, they "
                                            "come with the whole response); omit it or send stream: false"))
+        if self.use_beam_search:
+            out.append(("use_beam_search", "use_beam_search is not supported: tokenmill samples, it does not search "
+                                           "beams; omit use_beam_search"))
+        if self.return_tokens_as_token_ids:
+            out.append(("return_tokens_as_token_ids", "return_tokens_as_token_ids is not supported: logprobs name "
+                                                      "tokens by their text; omit return_tokens_as_token_ids"))
+        if self.return_token_ids:
+            out.append(("return_token_ids", "return_token_ids is not supported: responses carry text (/tokenize gives "
+                                            "a text's token ids); omit return_token_ids"))
         for name in GUIDED_FIELDS:
             if getattr(self, name) is not None:
                 out.append((name, f"{name} is not supported: tokenmill does not implement constrained decoding, "
