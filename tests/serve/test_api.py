@@ -529,6 +529,17 @@ def test_tokenize_detokenize_roundtrip(server):
     assert d == {"prompt": "Hello world"}
 
 
+def test_tokenize_returns_token_strs_on_request(server):
+    """vLLM's return_token_strs: each token's string in the vocabulary beside its id (byte-level BPE's, "Ġ" for a
+    space), for a prompt and for chat messages; without it, token_strs is null. It was ignored."""
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["token_strs"] == ["Hello", "Ġworld"] and r["count"] == len(r["tokens"]) == 2
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()["token_strs"] is None
+    messages = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+    assert len(r["token_strs"]) == r["count"] and "<|im_start|>" in r["token_strs"]
+
+
 def test_chat_prompt_round_trips_through_tokenize_and_detokenize(server):
     """/detokenize keeps special tokens, as vLLM's does: the ids of a chat prompt come back as the rendered chat
     template, role markers included, and that text tokenizes to the same ids."""

@@ -140,7 +140,9 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
                                                   body.chat_template)
         else:
             ids = await serving.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                token_strs=engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs
+                                else None)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, tags=["tokenizer"], responses=_errors(400, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

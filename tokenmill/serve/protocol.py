@@ -339,6 +339,7 @@ class TokenizeCompletionRequest(_Request):
     model: str | None = None
     prompt: Text
     add_special_tokens: bool = True
+    return_token_strs: bool = Field(False, description="vLLM's: also return each token's string in the vocabulary")
 
 
 class TokenizeChatRequest(_Request):
@@ -348,12 +349,14 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    return_token_strs: bool = Field(False, description="vLLM's: also return each token's string in the vocabulary")
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str | None] | None = Field(None, description="with return_token_strs: each token's string")
 
 
 class DetokenizeRequest(_Request):
