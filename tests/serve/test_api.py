@@ -39,6 +39,17 @@ def test_retrieve_model(server, client, model_name):
                                  "type": "not_found_error", "param": "model", "code": "model_not_found"}
 
 
+def test_an_empty_model_name_is_the_served_model(server, client):
+    """model "" names the served model, as in vLLM (a client that must send a model sends "" for "any"); it was a
+    404 model_not_found."""
+    r = client.completions.create(model="", prompt="hi", max_tokens=1)
+    assert r.usage.completion_tokens == 1
+    r = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=1)
+    assert r.usage.completion_tokens == 1
+    r = httpx.post(server.url + "/tokenize", json={"model": "", "prompt": "hi"})
+    assert r.status_code == 200, r.text
+
+
 def test_retrieve_a_model_whose_name_is_a_path():
     """A served name from --model is often a path: OpenAI's client sends its / as %2F, other clients as is."""
     server = Server("--max-model-len", "1024", "--served-model-name", "org/tiny-chat")

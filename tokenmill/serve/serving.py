@@ -142,7 +142,8 @@ class OpenAIServing:
 
     # ---- checks -----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """None or "" is the served model, as vLLM takes them: clients that must send a model send "" for "any"."""
+        if model and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
