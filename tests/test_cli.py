@@ -113,6 +113,11 @@ def test_a_bad_chat_template_stops_serve_before_the_model_loads(value, message, 
     (["router", "--backend", "h:1", "--long-prompt-threshold", "-5"], "must be an integer >= 0, got '-5'"),
     (["router", "--backend", "h:1", "--port", "70000"], "argument --port: must be a port number in [0, 65535]"),
     (["serve", "--port", "-1"], "argument --port: must be a port number in [0, 65535], got '-1'"),
+    # an origin with a path or no scheme never matches a browser's Origin header
+    (["serve", "--allowed-origins", "app.example.com"], "'app.example.com' is not an origin; give '*' or scheme://"),
+    (["router", "--backend", "h:1", "--allowed-origins", '["https://a.example", "https://b.example/x"]'],
+     "'https://b.example/x' is not an origin"),
+    (["serve", "--allowed-origins", '["https://a.example"'], "is not a JSON list of origins"),
     # random weights were quantized (or scored) without a word, though --help lists no dummy
     (["quantize", "--method", "int8", "--out", "q", "--load-format", "dummy"], "argument --load-format: invalid choice"),
     (["quant-eval", "--load-format", "dummy"], "argument --load-format: invalid choice: 'dummy'"),

@@ -20,7 +20,7 @@ def named():
 
 @pytest.fixture(scope="module")
 def router(backends, named):
-    r = start_router("--backend", backends[0].url, "--backend", named.url)
+    r = start_router("--backend", backends[0].url, "--backend", named.url, "--allowed-origins", "http://app.example")
     yield r
     r.stop()
 
@@ -81,6 +81,21 @@ def test_a_request_goes_to_a_backend_that_serves_its_model(router, model_name, p
         assert httpx.post(router.url + path, json=varied, timeout=60).status_code == 200
     r = httpx.post(router.url + path, json={**body, "model": "gpt-4"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_for_allowed_origins(router, model_name):
+    """--allowed-origins on the router: its preflight answered, its own and its proxied answers naming the origin
+    (the backends have no such flag); another origin gets no CORS headers."""
+    origin = {"Origin": "http://app.example"}
+    r = httpx.options(router.url + "/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example", r.text
+    assert httpx.get(router.url + "/v1/models", headers=origin).headers["access-control-allow-origin"] == \
+        "http://app.example"
+    r = httpx.post(router.url + "/v1/completions", headers=origin, timeout=60,
+                   json={"model": model_name, "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example", r.text
+    r = httpx.get(router.url + "/v1/models", headers={"Origin": "http://other.example"})
+    assert "access-control-allow-origin" not in r.headers
 
 
 def test_backends_that_need_a_key_are_routed_by_model_with_the_routers_key(backends, model_name):

@@ -307,7 +307,8 @@ def test_engine_survives_errors(client, model_name):
 @pytest.fixture(scope="module")
 def strict_server():
     s = Server("--max-model-len", "1024", "--api-key", "sesame", "--max-request-bytes", "4096",
-               "--max-num-seqs", "1", "--max-queue-len", "1", "--kv-cache-tokens", "512")
+               "--max-num-seqs", "1", "--max-queue-len", "1", "--kv-cache-tokens", "512",
+               "--allowed-origins", "http://app.example")
     yield s
     s.stop()
 
@@ -324,6 +325,26 @@ def test_api_key(strict_server):
     assert good.chat.completions.create(model=good.models.list().data[0].id, messages=OK_MESSAGES,
                                         max_tokens=2).choices
     assert httpx.get(strict_server.url + "/health").status_code == 200  # outside /v1: open
+
+
+def test_cors_for_allowed_origins_only(server, strict_server):
+    """--allowed-origins (vLLM's): a browser's preflight from an allowed origin is answered before the API key is
+    checked (it carries none), and the answer to the request itself names the origin; another origin gets no
+    CORS headers, and neither does any origin of a server without the flag (its preflight is a 405)."""
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(strict_server.url + CHAT, headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example", r.text
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.get(strict_server.url + "/v1/models", headers={"Origin": "http://app.example",
+                                                              "Authorization": "Bearer sesame"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.options(strict_server.url + CHAT, headers={**preflight, "Origin": "http://other.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.options(server.url + CHAT, headers=preflight)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models",
+                                                          headers={"Origin": "http://app.example"}).headers
 
 
 def test_oversized_body_is_413(strict_server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -20,7 +20,7 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Router, route_info
 from tokenmill.router.proxy import Unreachable, forward, unavailable
 from tokenmill.serve.errors import error_response, install_error_handlers
-from tokenmill.serve.middleware import GatewayMiddleware, answer_head
+from tokenmill.serve.middleware import GatewayMiddleware, allow_origins, answer_head
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
 
@@ -35,6 +35,7 @@ class RouterConfig:
     health_timeout: float = 2.0        # seconds; also the connect timeout of proxied requests
     max_request_bytes: int = 16 << 20  # larger bodies get 413 before the router reads them whole
     backend_api_key: str | None = None  # the backends' --api-key, for the router's own /v1/models requests
+    allowed_origins: list[str] = field(default_factory=list)  # CORS (middleware.allow_origins)
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -141,4 +142,5 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     answer_head(app)
     app.add_middleware(GatewayMiddleware, api_key=None, max_body_bytes=config.max_request_bytes)
+    allow_origins(app, config.allowed_origins)
     return app

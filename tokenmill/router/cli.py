@@ -7,7 +7,7 @@ import math
 import urllib.parse
 from collections.abc import Callable
 
-from tokenmill.units import check_max_request_bytes, parse_bytes, parse_port
+from tokenmill.units import add_allowed_origins_arg, allowed_origins, check_max_request_bytes, parse_bytes, parse_port
 
 
 def _url(value: str) -> str:
@@ -61,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend-api-key", metavar="KEY",
                    help="the backends' --api-key, sent with the router's own /v1/models requests so that it knows "
                         "which models each serves (clients' requests carry their own key)")
+    add_allowed_origins_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=parse_port, default=8080, help="port to listen on (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=_at_least(0), default=30.0, metavar="S",
@@ -87,6 +88,7 @@ def run(ns: argparse.Namespace) -> None:
     app = build_app(RouterConfig(backends=ns.backend, long_backends=ns.long_backend,
                                  long_prompt_threshold=ns.long_prompt_threshold, affinity_slack=ns.affinity_slack,
                                  poll_interval=ns.poll_interval, health_timeout=ns.health_timeout,
-                                 max_request_bytes=ns.max_request_bytes, backend_api_key=ns.backend_api_key))
+                                 max_request_bytes=ns.max_request_bytes, backend_api_key=ns.backend_api_key,
+                                 allowed_origins=allowed_origins(ns)))
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                 timeout_graceful_shutdown=ns.shutdown_timeout)

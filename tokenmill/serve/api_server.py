@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Union
 
 from fastapi import FastAPI, Request
@@ -25,7 +25,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.serve.dashboard import Dashboard
 from tokenmill.serve.errors import APIError, error_response, install_error_handlers
 from tokenmill.serve.metrics import ServerMetrics
-from tokenmill.serve.middleware import GatewayMiddleware, answer_head
+from tokenmill.serve.middleware import GatewayMiddleware, allow_origins, answer_head
 from tokenmill.serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                       ErrorResponse, HealthResponse, ModelCard, ModelList, TokenizeChatRequest,
@@ -57,6 +57,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 16 << 20
     trust_request_chat_template: bool = False
+    allowed_origins: list[str] = field(default_factory=list)  # CORS (middleware.allow_origins)
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -101,6 +102,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
     app.state.engine = async_engine
     install_error_handlers(app)
     app.add_middleware(GatewayMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_bytes)
+    allow_origins(app, config.allowed_origins)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"],

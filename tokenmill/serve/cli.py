@@ -5,7 +5,7 @@ import argparse
 import os
 
 from tokenmill.engine.arg_utils import add_engine_args
-from tokenmill.units import check_max_request_bytes, parse_bytes, parse_port
+from tokenmill.units import add_allowed_origins_arg, check_max_request_bytes, parse_bytes, parse_port
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -18,6 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the model name clients send and see (default: --model, or the default model's file name)")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
                    help="larger request bodies get 413 (default: 16MiB)")
+    add_allowed_origins_arg(p)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds for requests in flight to finish before they are aborted "
                         "(default: %(default)s)")

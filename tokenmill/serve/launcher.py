@@ -22,6 +22,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.arg_utils import engine_args_from
 from tokenmill.engine.async_engine import RequestFailedError
 from tokenmill.engine.devices import pick_device, server_max_num_batched_tokens
+from tokenmill.units import allowed_origins
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ def run_server(ns: argparse.Namespace) -> None:
     name = served_model_name(ns, engine.model_path)
     app = build_app(engine, ServerConfig(model_name=name, model_root=engine.model_path or name, api_key=ns.api_key,
                                          max_request_bytes=ns.max_request_bytes,
-                                         trust_request_chat_template=ns.trust_request_chat_template), executor)
+                                         trust_request_chat_template=ns.trust_request_chat_template,
+                                         allowed_origins=allowed_origins(ns)), executor)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)

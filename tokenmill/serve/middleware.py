@@ -1,12 +1,13 @@
 """The gateway in front of the routes, as plain ASGI (so streaming and disconnects pass through untouched):
-the bearer-token check on /v1/ and the request-size limit; and HEAD on every GET route (answer_head), for the
-server and the router alike."""
+the bearer-token check on /v1/ and the request-size limit; CORS for the origins allowed (allow_origins); and HEAD on
+every GET route (answer_head), for the server and the router alike."""
 from __future__ import annotations
 
 import hmac
 import json
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,3 +80,11 @@ def answer_head(app: FastAPI) -> None:
         if isinstance(route, APIRoute) and "GET" in route.methods:
             app.add_api_route(route.path, route.endpoint, methods=["HEAD"], response_class=route.response_class,
                               include_in_schema=False)
+
+
+def allow_origins(app: FastAPI, origins: list[str]) -> None:
+    """Let pages of these origins call the API from a browser (CORS; vLLM's --allowed-origins). Added last, so it
+    is outermost: a browser's preflight carries no API key and is answered before the key is checked. Without
+    origins nothing is added and only same-origin pages (the web UI) can call."""
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
