@@ -662,3 +662,32 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(client, model_name, ch
     kept = api.create(**kwargs, extra_body={"skip_special_tokens": False})
     assert (skipped.choices[0].message.content if chat else skipped.choices[0].text) == ""
     assert (kept.choices[0].message.content if chat else kept.choices[0].text) == "<|im_start|><|im_start|>"
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory):
+    """The default model with a tokenizer that adds a BOS (a Llama 2 GGUF's, add_bos_token on; its chat template
+    begins with the BOS too): SmolLM2's adds none, so add_special_tokens changes nothing there."""
+    from test_tokenizer import write_sentencepiece_gguf
+    s = Server("--tokenizer", write_sentencepiece_gguf(tmp_path_factory.mktemp("bos") / "sp.gguf", True),
+               "--max-model-len", "512")
+    yield s
+    s.stop()
+
+
+def test_add_special_tokens(bos_server):
+    """vLLM's add_special_tokens: on by default for a text prompt (completions, /tokenize), off for a chat, whose
+    template holds the BOS; either way as asked (it was ignored on completions and chat)."""
+    def prompt_tokens(path: str, body: dict, add: bool | None) -> int:
+        extra = {} if add is None else {"add_special_tokens": add}
+        r = httpx.post(bos_server.url + path, json={**body, **extra, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"] if path.startswith("/v1") else r.json()["count"]
+    prompt, chat = {"prompt": "the cat"}, {"messages": [{"role": "user", "content": "the cat"}]}
+    for path, body, default in (("/v1/completions", prompt, True), ("/tokenize", prompt, True),
+                                ("/v1/chat/completions", chat, False), ("/tokenize", chat, False)):
+        with_bos, without = prompt_tokens(path, body, True), prompt_tokens(path, body, False)
+        assert with_bos == without + 1, (path, body)
+        assert prompt_tokens(path, body, None) == (with_bos if default else without), (path, body)
+    r = httpx.post(bos_server.url + "/tokenize", json={**prompt, "add_special_tokens": False})
+    assert r.json()["tokens"][0] != 1  # no BOS

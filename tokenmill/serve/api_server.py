@@ -139,7 +139,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
         if isinstance(body, TokenizeChatRequest):
             ids = await serving.chat_prompt_ids(body.messages, body.add_generation_prompt,
                                                   body.continue_final_message, body.chat_template_kwargs,
-                                                  body.chat_template)
+                                                  body.chat_template, add_special_tokens=body.add_special_tokens)
         else:
             ids = await serving.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,

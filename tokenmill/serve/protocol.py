@@ -164,6 +164,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = Field(False, description="vLLM's: the tokenizer's special tokens (a BOS) added to the "
+                                                        "rendered chat, which its template usually holds already")
     echo: bool = Field(False, description="vLLM's: begin the reply with the last message's content when that "
                                           "message has the reply's role (assistant; with add_generation_prompt "
                                           "false, the last message's own)")
@@ -280,6 +282,8 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=0, description="null: what the context leaves; 0 only with echo: the "
                                                           "prompt alone (with logprobs, its tokens scored)")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k alternatives per token")
+    add_special_tokens: bool = Field(True, description="vLLM's: the tokenizer's special tokens (a BOS) added to a "
+                                                       "text prompt; token ids are taken as they are")
     suffix: str | None = Field(None, description="not supported: refused unless null")
     best_of: int | None = Field(None, description="not supported: refused unless null or equal to n")
     echo: bool = Field(False, description="return the prompt's text (with logprobs: its tokens' logprobs) before "
@@ -345,6 +349,7 @@ class TokenizeCompletionRequest(_Request):
 class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

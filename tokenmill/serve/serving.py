@@ -341,12 +341,13 @@ class OpenAIServing:
     # ---- chat completions -------------------------------------------------------------------
     async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                               continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-                              chat_template: str | None = None, fits: bool = False) -> list[int]:
+                              chat_template: str | None = None, fits: bool = False,
+                              add_special_tokens: bool = False) -> list[int]:
         """A developer message is a system message, as OpenAI treats it (its newer name for system): most chat
         templates know system only, and SmolLM2's rendered developer as a turn of its own after its default system
         prompt. chat_template: the request's, taken only from a server that trusts them (a template is code the
         server runs; vLLM's --trust-request-chat-template). fits: a rendered chat that cannot fit the context is
-        refused before encoding (encode's)."""
+        refused before encoding (encode's). add_special_tokens: vLLM's, off for chat (the template holds a BOS)."""
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in messages]
         if continue_final_message and add_generation_prompt:
@@ -372,7 +373,7 @@ class OpenAIServing:
                                            chat_template=chat_template, chat_template_kwargs=template_vars)
         except Exception as e:
             raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
-        return await self.encode(text, add_special_tokens=False, fits="messages" if fits else None)
+        return await self.encode(text, add_special_tokens=add_special_tokens, fits="messages" if fits else None)
 
     @_cancel_on_disconnect
     async def chat(self, req: ChatCompletionRequest) -> Response:
@@ -381,7 +382,8 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", "top_logprobs")
         ids = await self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.chat_template_kwargs, req.chat_template,
-                                         fits=req.truncate_prompt_tokens is None)
+                                         fits=req.truncate_prompt_tokens is None,
+                                         add_special_tokens=req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
             ids = ids[-req.truncate_prompt_tokens:]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
@@ -458,8 +460,8 @@ class OpenAIServing:
 
     # ---- completions ------------------------------------------------------------------------
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
-                                  fits: str | None = None) -> list[list[int]]:
-        """fits: as encode's, for text prompts."""
+                                  fits: str | None = None, add_special_tokens: bool = True) -> list[list[int]]:
+        """fits and add_special_tokens: as encode's, for text prompts."""
         prompts = _prompt_list(prompt)
         if not prompts:
             raise APIError(400, "prompt is empty: give a string, a list of strings, or token ids", "prompt",
@@ -468,7 +470,7 @@ class OpenAIServing:
         ids = []
         for p in prompts:
             if isinstance(p, str):
-                ids.append(await self.encode(p, fits=fits))
+                ids.append(await self.encode(p, add_special_tokens, fits))
                 continue
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
@@ -483,7 +485,8 @@ class OpenAIServing:
             raise APIError(400, "max_tokens must be at least 1; 0 is allowed only with echo: true, which returns "
                                 "the prompt alone", "max_tokens", "invalid_value")
         prompts = await self._completion_prompts(req.prompt,
-                                                 "prompt" if req.truncate_prompt_tokens is None else None)
+                                                 "prompt" if req.truncate_prompt_tokens is None else None,
+                                                 req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
         requested = 1 if req.max_tokens == 0 else req.max_tokens  # the engine samples at least one token
