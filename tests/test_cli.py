@@ -118,6 +118,8 @@ def test_a_bad_chat_template_stops_serve_before_the_model_loads(value, message, 
     (["router", "--backend", "h:1", "--allowed-origins", '["https://a.example", "https://b.example/x"]'],
      "'https://b.example/x' is not an origin"),
     (["serve", "--allowed-origins", '["https://a.example"'], "is not a JSON list of origins"),
+    (["serve", "--default-chat-template-kwargs", "enable_thinking=false"], "not JSON (Expecting value"),
+    (["serve", "--default-chat-template-kwargs", '{"messages": []}'], "it cannot set messages"),
     # random weights were quantized (or scored) without a word, though --help lists no dummy
     (["quantize", "--method", "int8", "--out", "q", "--load-format", "dummy"], "argument --load-format: invalid choice"),
     (["quant-eval", "--load-format", "dummy"], "argument --load-format: invalid choice: 'dummy'"),

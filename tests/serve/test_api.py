@@ -385,11 +385,12 @@ def test_a_requests_chat_template_is_refused_unless_trusted(server):
 
 def test_chat_template_of_the_server_and_of_a_trusted_request(tmp_path):
     """--chat-template FILE replaces the model's template for every chat; with --trust-request-chat-template a
-    request's chat_template replaces it for that request, and an invalid one is a 400 naming chat_template."""
+    request's chat_template replaces it for that request, and an invalid one is a 400 naming chat_template;
+    --default-chat-template-kwargs sets template variables a request's chat_template_kwargs may override."""
     (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                                           "{% if add_generation_prompt %}assistant:{% endif %}")
     server = Server("--max-model-len", "1024", "--chat-template", str(tmp_path / "plain.jinja"),
-                    "--trust-request-chat-template")
+                    "--trust-request-chat-template", "--default-chat-template-kwargs", '{"greeting": "Hello"}')
     try:
         def tokens(body: dict) -> list[int]:
             r = httpx.post(server.url + "/tokenize", json=body)
@@ -405,6 +406,15 @@ def test_chat_template_of_the_server_and_of_a_trusted_request(tmp_path):
         r = client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES,
                                            max_completion_tokens=2, extra_body={"chat_template": bare["chat_template"]})
         assert r.usage.prompt_tokens == len(tokens(bare))
+        # --default-chat-template-kwargs (vLLM's) under a request's own chat_template_kwargs
+        greeted = {"messages": MESSAGES, "chat_template": "{{ greeting }} {{ messages[0].content }}"}
+        assert tokens(greeted) == tokens({"prompt": f"Hello {question}", "add_special_tokens": False})
+        assert tokens({**greeted, "chat_template_kwargs": {"greeting": "Bye"}}) == \
+            tokens({"prompt": f"Bye {question}", "add_special_tokens": False})
+        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES,
+                                           max_completion_tokens=2,
+                                           extra_body={"chat_template": greeted["chat_template"]})
+        assert r.usage.prompt_tokens == len(tokens(greeted))
         for path in ("/tokenize", "/v1/chat/completions"):
             r = httpx.post(server.url + path, json={**bare, "chat_template": "{% for m in messages %}"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text

@@ -58,6 +58,7 @@ class ServerConfig:
     max_request_bytes: int = 16 << 20
     trust_request_chat_template: bool = False
     allowed_origins: list[str] = field(default_factory=list)  # CORS (middleware.allow_origins)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under each request's own
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -75,7 +76,8 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
     """executor: the engine thread the engine was built on (async_engine.engine_thread)."""
     metrics = ServerMetrics(config.model_name)
     async_engine = AsyncEngine(engine, observer=metrics, executor=executor)
-    serving = OpenAIServing(async_engine, config.model_name, metrics, config.trust_request_chat_template)
+    serving = OpenAIServing(async_engine, config.model_name, metrics, config.trust_request_chat_template,
+                            config.default_chat_template_kwargs)
     dashboard = Dashboard()
     started = int(time.time())
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from typing import Any
 
 from tokenmill.engine.arg_utils import add_engine_args
 from tokenmill.units import add_allowed_origins_arg, check_max_request_bytes, parse_bytes, parse_port
@@ -29,11 +31,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", type=chat_template_arg, default=None, metavar="FILE_OR_TEXT",
                    help="a jinja2 chat template, its file or its text, used instead of the model's "
                         "(default: the model's)")
+    p.add_argument("--default-chat-template-kwargs", type=chat_template_kwargs_arg, default={}, metavar="JSON",
+                   help="vLLM's: a JSON object of chat-template variables for every chat, such as "
+                        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override them "
+                        "(default: none)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="take a chat_template in chat and /tokenize requests; without it they are refused, as a "
                         "template is code the server runs (default: off)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def chat_template_kwargs_arg(value: str) -> dict[str, Any]:
+    """--default-chat-template-kwargs: a JSON object of template variables, checked as a request's would be."""
+    from tokenmill.tokenizer import check_chat_template_kwargs
+    try:
+        kwargs = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"enable_thinking\": false}}'")
+    try:
+        return check_chat_template_kwargs(kwargs)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("chat_template_kwargs", "it", 1)) from e
 
 
 def chat_template_arg(value: str) -> tuple[str, str]:

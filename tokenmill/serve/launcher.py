@@ -114,7 +114,8 @@ def run_server(ns: argparse.Namespace) -> None:
     app = build_app(engine, ServerConfig(model_name=name, model_root=engine.model_path or name, api_key=ns.api_key,
                                          max_request_bytes=ns.max_request_bytes,
                                          trust_request_chat_template=ns.trust_request_chat_template,
-                                         allowed_origins=allowed_origins(ns)), executor)
+                                         allowed_origins=allowed_origins(ns),
+                                         default_chat_template_kwargs=ns.default_chat_template_kwargs), executor)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)

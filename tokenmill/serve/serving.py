@@ -131,11 +131,13 @@ def _cancel_on_disconnect(handler: Callable[[OpenAIServing, _Req], Awaitable[Res
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 default_chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.trust_request_chat_template = trust_request_chat_template
+        self.default_chat_template_kwargs = default_chat_template_kwargs or {}  # a request's own override them
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.draining = False
@@ -354,7 +356,7 @@ class OpenAIServing:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; send "
                                 "add_generation_prompt: false to continue the last message", "continue_final_message")
         try:
-            template_vars = check_chat_template_kwargs(chat_template_kwargs)
+            template_vars = {**self.default_chat_template_kwargs, **check_chat_template_kwargs(chat_template_kwargs)}
         except ValueError as e:
             raise APIError(400, str(e), "chat_template_kwargs") from e
         if chat_template is not None:
