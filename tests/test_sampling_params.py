@@ -14,6 +14,7 @@ from tokenmill import SamplingParams
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
     (dict(allowed_token_ids=5), "allowed_token_ids"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(truncate_prompt_tokens=2.5), "truncate_prompt_tokens"), (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
     (dict(bad_words="Paris"), "bad_words"), (dict(bad_words=["ok", " "]), "bad_words"),

@@ -40,7 +40,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # the token sequences of bad_words, as the engine's tokenizer spells them (with and without a leading space)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last this many tokens
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last this many tokens (-1: context)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -116,9 +116,10 @@ class SamplingParams:
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed):
                 self._fail("allowed_token_ids", allowed, "None or a non-empty list of non-negative token ids")
             self.allowed_token_ids = sorted(set(allowed))
-        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int) or isinstance(
-                self.truncate_prompt_tokens, bool) or self.truncate_prompt_tokens < 1):
-            self._fail("truncate_prompt_tokens", self.truncate_prompt_tokens, "None or an integer >= 1")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep == 0 or keep < -1):
+            self._fail("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                       "None, -1 (the model's context length) or an integer >= 1")
         if not isinstance(self.output_kind, RequestOutputKind):
             self._fail("output_kind", self.output_kind, "a RequestOutputKind")
 

@@ -467,6 +467,10 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(llm):
     assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
     long = [1] * 600  # past max_model_len=512 until truncated
     assert llm.generate([long], SamplingParams(max_tokens=2, truncate_prompt_tokens=100))[0].prompt_token_ids == [1] * 100
+    with pytest.raises(ValueError, match="512"):  # -1 (vLLM's): the context length, which leaves no room to generate
+        llm.generate([long], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+    assert llm.generate([ids], SamplingParams(**{**plain.__dict__, "truncate_prompt_tokens": -1}))[0].prompt_token_ids \
+        == ids
 
 
 def test_allowed_token_ids_that_other_bans_cover_are_refused(llm):

@@ -297,7 +297,7 @@ def test_logit_bias_changes_the_greedy_token(server, client, model_name):
 
 def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model_name):
     """vLLM's extra fields: the output holds only allowed ids; a truncated prompt counts as its last k tokens in
-    usage and gives the text those tokens alone give."""
+    usage and gives the text those tokens alone give; -1 keeps what the context holds, 0 and below -1 are 400s."""
     allowed = [one_token(server, w) for w in (" banana", " apple")]
     r = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=4, temperature=0,
                                   extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
@@ -311,6 +311,13 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model_name
     tail = client.completions.create(model=model_name, prompt=ids[-3:], max_tokens=3, temperature=0,
                                      extra_body={"ignore_eos": True})
     assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == tail.choices[0].text
+    whole = client.completions.create(model=model_name, prompt="One two three four five six", max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})  # vLLM's: the context length
+    assert whole.usage.prompt_tokens == len(ids)
+    for k in (0, -2):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert "must be -1 (the model's context length) or at least 1" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "allowed_token_ids": [10 ** 7]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 

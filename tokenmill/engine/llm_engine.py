@@ -193,7 +193,8 @@ class LLMEngine:
             raise ValueError(f"timeout_s must be > 0 seconds (None: the engine's timeout_s), got {timeout_s!r}")
         text, ids = self.encode_prompt(prompt)
         if params.truncate_prompt_tokens is not None:  # the text stays as given, as vLLM reports it
-            ids = ids[-params.truncate_prompt_tokens:]
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(self.max_model_len if keep == -1 else keep):]
         params.verify_vocab(self.model_config.vocab_size)
         self.scheduler.check_request(len(ids), params.max_tokens)
         if params.stop and self.tokenizer is None:

@@ -49,6 +49,13 @@ def _utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]  # text that reaches the tokenizer
 
 
+def _truncation(k: int) -> int:
+    """vLLM's truncate_prompt_tokens: -1 is the model's context length; 0 would keep no token."""
+    if k == 0 or k < -1:
+        raise ValueError("must be -1 (the model's context length) or at least 1")
+    return k
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
     message: str
@@ -102,8 +109,8 @@ class SamplingRequest(_Request):
     bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS,
                                          description="vLLM's: words the output may not contain (a word's last token "
                                                      "cannot follow the rest of its tokens)")
-    truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
-                                                                       "many tokens")
+    truncate_prompt_tokens: Annotated[int, AfterValidator(_truncation)] | None = Field(
+        None, description="vLLM's: keep only the prompt's last this many tokens (-1: the model's context length)")
     response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: the logprob and rank of each prompt "
                                                                      "token and its k likeliest alternatives "

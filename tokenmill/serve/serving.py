@@ -387,7 +387,7 @@ class OpenAIServing:
                                          fits=req.truncate_prompt_tokens is None,
                                          add_special_tokens=req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
-            ids = ids[-req.truncate_prompt_tokens:]
+            ids = ids[-self._truncation(req):]
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages", field)
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
@@ -460,6 +460,10 @@ class OpenAIServing:
             yield sse_error(self._request_error(e))
             yield "data: [DONE]\n\n"
 
+    def _truncation(self, req: ChatCompletionRequest | CompletionRequest) -> int:
+        """How many of a prompt's last tokens truncate_prompt_tokens keeps: -1 is the context length (vLLM's)."""
+        return self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+
     # ---- completions ------------------------------------------------------------------------
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
                                   fits: str | None = None, add_special_tokens: bool = True) -> list[list[int]]:
@@ -490,7 +494,7 @@ class OpenAIServing:
                                                  "prompt" if req.truncate_prompt_tokens is None else None,
                                                  req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
-            prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
+            prompts = [ids[-self._truncation(req):] for ids in prompts]
         requested = 1 if req.max_tokens == 0 else req.max_tokens  # the engine samples at least one token
         max_tokens = [self._max_tokens(len(ids), requested, "prompt") for ids in prompts]
         # an echoed prompt's tokens get logprobs too (OpenAI's legacy behaviour, vLLM's)
