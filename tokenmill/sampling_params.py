@@ -8,6 +8,11 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on a logit_bias value
 MAX_LOGPROBS = 20  # alternatives a position may list (OpenAI's bound, vLLM's default)
 
 
+def truncated_prompt(ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last this many tokens, -1 being the model's context length."""
+    return ids[-(max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens):]
+
+
 class RequestOutputKind(enum.Enum):
     """When the engine reports a request: every step (the text so far and the new delta, for streaming), or only
     once it has finished (offline generate, which saves building an output per request per step)."""

@@ -26,7 +26,7 @@ from tokenmill.model.loader import load_model, load_model_config, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import PRIORITY_LIMIT, Request, RequestStatus
 from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
 from tokenmill.spec.draft import load_draft
 from tokenmill.spec.rejection_sampler import VerifyOutput
 from tokenmill.spec.speculator import SpecStats, Speculator
@@ -193,8 +193,7 @@ class LLMEngine:
             raise ValueError(f"timeout_s must be > 0 seconds (None: the engine's timeout_s), got {timeout_s!r}")
         text, ids = self.encode_prompt(prompt)
         if params.truncate_prompt_tokens is not None:  # the text stays as given, as vLLM reports it
-            keep = params.truncate_prompt_tokens
-            ids = ids[-(self.max_model_len if keep == -1 else keep):]
+            ids = truncated_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         params.verify_vocab(self.model_config.vocab_size)
         self.scheduler.check_request(len(ids), params.max_tokens)
         if params.stop and self.tokenizer is None:

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream, RequestTimeoutError
 from tokenmill.engine.llm_engine import QueueFullError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, truncated_prompt
 from tokenmill.serve.errors import APIError, sse_error
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -387,7 +387,7 @@ class OpenAIServing:
                                          fits=req.truncate_prompt_tokens is None,
                                          add_special_tokens=req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:  # before the length checks, as vLLM
-            ids = ids[-self._truncation(req):]
+            ids = truncated_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = self._max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages", field)
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
@@ -460,10 +460,6 @@ class OpenAIServing:
             yield sse_error(self._request_error(e))
             yield "data: [DONE]\n\n"
 
-    def _truncation(self, req: ChatCompletionRequest | CompletionRequest) -> int:
-        """How many of a prompt's last tokens truncate_prompt_tokens keeps: -1 is the context length (vLLM's)."""
-        return self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
-
     # ---- completions ------------------------------------------------------------------------
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
                                   fits: str | None = None, add_special_tokens: bool = True) -> list[list[int]]:
@@ -494,7 +490,7 @@ class OpenAIServing:
                                                  "prompt" if req.truncate_prompt_tokens is None else None,
                                                  req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
-            prompts = [ids[-self._truncation(req):] for ids in prompts]
+            prompts = [truncated_prompt(ids, req.truncate_prompt_tokens, self.max_model_len) for ids in prompts]
         requested = 1 if req.max_tokens == 0 else req.max_tokens  # the engine samples at least one token
         max_tokens = [self._max_tokens(len(ids), requested, "prompt") for ids in prompts]
         # an echoed prompt's tokens get logprobs too (OpenAI's legacy behaviour, vLLM's)
