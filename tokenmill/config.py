@@ -176,7 +176,8 @@ class SchedulerConfig:
 
 
 SPECULATIVE_OPTIONS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-_TYPE_WORDS = {"None": "null", "float": "a number", "int": "an integer", "bool": "true/false", "str": "a string"}
+_TYPE_WORDS = {"None": "null", "float": "a number", "int": "an integer", "bool": "true/false", "str": "a string",
+               "dict[str,Any]": "a dict"}
 
 
 @dataclass
@@ -206,6 +207,8 @@ class EngineArgs:
     max_long_partial_prefills: int = 1
     priority_aging_s: float = 10.0
     timeout_s: float | None = None
+    generation_config: str = "auto"         # sampling defaults: auto (the model's) | vllm (none) | a folder's file
+    override_generation_config: dict[str, Any] | None = None  # vLLM's: generation_config.json names over them
     enforce_eager: bool = False
     async_scheduling: bool = False          # schedule and launch step N+1 before reading step N's tokens
     quantization: str | None = None
@@ -253,6 +256,8 @@ class EngineArgs:
         if self.model_preset is not None and self.load_format != "dummy":
             raise ValueError(f"model_preset={self.model_preset!r} is the architecture of random weights and needs "
                              f"load_format='dummy'; got load_format={self.load_format!r}")
+        from tokenmill.model.generation_config import check_generation_config_args
+        check_generation_config_args(self.generation_config, self.override_generation_config)
         self._check_speculative()
         self._check_parallel()
 
@@ -281,6 +286,8 @@ class EngineArgs:
                 ok = isinstance(value, int) and not isinstance(value, bool)
             elif "float" in kinds:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            elif "dict[str,Any]" in kinds:
+                ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
             else:
                 ok = isinstance(value, str)
             if not ok:

@@ -538,3 +538,19 @@ def test_bad_words_never_end_the_output(llm):
         assert LLM(dtype="float32", max_model_len=512, **kw).generate([ids], params)[0].outputs[0].token_ids == got
     with pytest.raises(ValueError, match="bad_words .* need a tokenizer"):
         LLM(dtype="float32", skip_tokenizer_init=True).generate([ids], params)
+
+
+def test_the_models_sampling_defaults_apply_where_no_params_are_given(tmp_path):
+    """--generation-config: a folder's generation_config.json (greedy, 5 tokens) is what generate() without
+    SamplingParams runs, and get_default_sampling_params() gives it to change; 'vllm' keeps SamplingParams'."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 5, "top_k": 7}')
+    llm = LLM(dtype="float32", max_model_len=256, generation_config=str(tmp_path))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (0.0, 5, 7)
+    ids = prompt(llm, "Count from one to twenty.")
+    out = llm.generate(ids)[0].outputs[0]
+    greedy = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids == greedy.token_ids
+    llm.llm_engine.shutdown()
+    plain = LLM(dtype="float32", max_model_len=256, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 
 from tokenmill.config import EngineArgs
@@ -34,6 +35,12 @@ _HELP = {
     "max_long_partial_prefills": "long prompts prefilled concurrently",
     "priority_aging_s": "seconds of waiting that raise a request's priority by one level",
     "timeout_s": "default per-request deadline in seconds",
+    "generation_config": "sampling defaults for requests that leave them unset: auto (the model's: a folder's "
+                         "generation_config.json, a GGUF's general.sampling keys) | vllm (none: temperature 1, "
+                         "top_p 1, ...) | a folder holding a generation_config.json",
+    "override_generation_config": "a JSON object over those defaults, in generation_config.json's names "
+                                  "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+                                  "such as '{\"temperature\": 0.5}'",
     "enforce_eager": "disable CUDA graphs",
     "async_scheduling": "overlap each step's host work with the previous step on the GPU (tokens fed from the "
                         "device; off with speculation, and for steps with penalties, bad words or logprobs)",
@@ -54,7 +61,19 @@ _HELP = {
 }
 
 
-DEVICE_DEFAULTS = ("max_num_batched_tokens",)  # flags whose default some commands choose by device
+DEVICE_DEFAULTS = ("max_num_batched_tokens",)
+
+
+def json_object(value: str) -> dict[str, typing.Any]:
+    """A flag whose value is a JSON object."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"temperature\": 0.5}}'")
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, such as '{{\"temperature\": 0.5}}'; got "
+                                         f"{value!r}")
+    return parsed  # flags whose default some commands choose by device
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +88,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         if base is int and f.name == "kv_cache_memory":
             base = parse_bytes
+        if typing.get_origin(base) is dict:
+            base = json_object
         if f.name in DEVICE_DEFAULTS:  # unset stays None: the command picks the default for its device
             parser.add_argument(flag, dest=f.name, type=base, default=None, help=_HELP[f.name])
             continue

@@ -22,6 +22,7 @@ from tokenmill.distributed import tp_size
 from tokenmill.engine.detokenizer import Detokenizer, check_stop
 from tokenmill.engine.devices import pick_device, pick_dtype
 from tokenmill.engine.tp_launcher import TPWorkerGroup
+from tokenmill.model.generation_config import default_sampling, max_tokens_cap
 from tokenmill.model.loader import load_model, load_model_config, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import PRIORITY_LIMIT, Request, RequestStatus
@@ -71,6 +72,10 @@ class LLMEngine:
         model_path = resolve_model(args.model) if args.load_format != "dummy" or args.model else None
         self.model_path = model_path
         self.model_config = load_model_config(model_path, args.load_format, args.model_preset)
+        # SamplingParams keywords that requests leaving them unset take (LLM.get_default_sampling_params, the server)
+        self.default_sampling = default_sampling(args.generation_config, model_path, args.override_generation_config)
+        self.max_tokens_cap = max_tokens_cap(args.generation_config, self.default_sampling,
+                                             args.override_generation_config)
         self.dtype = pick_dtype(args.dtype, self.model_config.torch_dtype, self.device)
         max_len = args.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:

@@ -28,6 +28,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults (EngineArgs.generation_config): what generate and chat use
+        when given none, and a base to change (vLLM's)."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
@@ -38,7 +43,7 @@ class LLM:
                              f'{{"prompt_token_ids": ...}} dict, or a list of these; got {type(prompts).__name__}')
         prompts = [_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:  # checked before any prompt is queued
             params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
             for sp in params:

@@ -140,6 +140,8 @@ class OpenAIServing:
         self.default_chat_template_kwargs = default_chat_template_kwargs or {}  # a request's own override them
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.default_sampling = engine.engine.default_sampling  # the model's (--generation-config)
+        self.max_tokens_cap = engine.engine.max_tokens_cap  # the operator's max_new_tokens, on every request
         self.draining = False
 
     # ---- checks -----------------------------------------------------------------------------
@@ -164,7 +166,10 @@ class OpenAIServing:
             raise APIError(400, message, name, "unsupported_parameter")
 
     def _max_tokens(self, prompt_len: int, requested: int | None, what: str, field: str = "max_tokens") -> int:
-        """field: the request's name for `requested`, which an error names."""
+        """field: the request's name for `requested`, which an error names. Unset, it is what the context leaves,
+        or the model's max_new_tokens if fewer; set, the operator's max_new_tokens caps it (vLLM's rules)."""
+        if requested is not None and self.max_tokens_cap is not None:
+            requested = min(requested, self.max_tokens_cap)
         limit = self.max_model_len
         if prompt_len == 0:
             raise APIError(400, f"the {what} is empty: at least one token is required", what, "empty_prompt")
@@ -185,7 +190,9 @@ class OpenAIServing:
                                 f"({prompt_len} in the {what}, {requested or 1} for the output); "
                                 f"{'shorten the prompt' if param == what else f'lower {field} or shorten the prompt'}",
                            param, "context_length_exceeded")
-        return requested if requested is not None else pool - prompt_len
+        if requested is not None:
+            return requested
+        return min(pool - prompt_len, self.default_sampling.get("max_tokens", pool))
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         """JSON's keys are strings: OpenAI's token ids in decimal digits. int() alone would also take ' 1', '+1'
@@ -199,12 +206,20 @@ class OpenAIServing:
                                 f"{bad[0][:40]!r}", "logit_bias", "invalid_value")
         return {int(k): v for k, v in bias.items()}
 
+    def _default(self, req: SamplingRequest, name: str) -> Any:
+        """A sampling field the request leaves unset (or null) takes the model's default (--generation-config),
+        else the field's own."""
+        own = getattr(req, name)
+        return own if name in req.model_fields_set else self.default_sampling.get(name, own)
+
     def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = self._logit_bias(req.logit_bias)
         try:
-            params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                    min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+            params = SamplingParams(n=req.n, temperature=self._default(req, "temperature"),
+                                    top_p=self._default(req, "top_p"), top_k=self._default(req, "top_k"),
+                                    min_p=self._default(req, "min_p"),
+                                    repetition_penalty=self._default(req, "repetition_penalty"),
                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                     seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                     stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
