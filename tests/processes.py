@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -26,9 +27,11 @@ def free_port() -> int:
 class Proc:
     """`tokenmill <command> --port P ...`, started at once; wait_ready() blocks until /health says 200."""
 
-    def __init__(self, command: str, *args: str) -> None:
+    def __init__(self, command: str, *args: str, tls: ssl.SSLContext | None = None) -> None:
+        """tls: the process serves HTTPS (its certificate flags among args), trusted through this context."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tokenmill-{command}-", suffix=".log",  # noqa: SIM115
                                                delete=False)  # the process writes it until stop()
         self.proc = subprocess.Popen(
@@ -41,7 +44,7 @@ class Proc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.url} exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=self.tls or True).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

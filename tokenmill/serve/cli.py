@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 from typing import Any
 
 from tokenmill.engine.arg_utils import add_engine_args
@@ -21,6 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
                    help="larger request bodies get 413 (default: 16MiB)")
     add_allowed_origins_arg(p)
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                   help="vLLM's: serve HTTPS with this certificate (chain), with --ssl-keyfile (default: HTTP)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="vLLM's: the certificate's private key")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds for requests in flight to finish before they are aborted "
                         "(default: %(default)s)")
@@ -74,7 +78,25 @@ def chat_template_arg(value: str) -> tuple[str, str]:
     return template, source
 
 
+def check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """--ssl-certfile and --ssl-keyfile load as a pair, checked before the model loads (uvicorn would say it only
+    after)."""
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile; give the two or neither")
+    if certfile is None:
+        return
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file; give a PEM file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as e:
+        raise ValueError(f"--ssl-certfile {certfile} with --ssl-keyfile {keyfile}: not a PEM certificate and its "
+                         f"private key ({e.reason or e})") from None
+
+
 def run(ns: argparse.Namespace) -> None:
     check_max_request_bytes(ns.max_request_bytes)
+    check_tls(ns.ssl_certfile, ns.ssl_keyfile)
     from tokenmill.serve.launcher import run_server
     run_server(ns)

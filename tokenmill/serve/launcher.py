@@ -117,7 +117,8 @@ def run_server(ns: argparse.Namespace) -> None:
                                          allowed_origins=allowed_origins(ns),
                                          default_chat_template_kwargs=ns.default_chat_template_kwargs), executor)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
-                            timeout_graceful_shutdown=ns.shutdown_timeout)
-    logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
+                            timeout_graceful_shutdown=ns.shutdown_timeout, ssl_certfile=ns.ssl_certfile,
+                            ssl_keyfile=ns.ssl_keyfile)
+    logger.info("serving %s on %s://%s:%d", name, "https" if ns.ssl_certfile else "http", ns.host, ns.port)
     DrainingServer(config, app, ns.shutdown_timeout).run(sockets=[sock])
     leave_engine_thread(executor, worker)
