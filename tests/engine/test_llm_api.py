@@ -554,3 +554,14 @@ def test_the_models_sampling_defaults_apply_where_no_params_are_given(tmp_path):
     llm.llm_engine.shutdown()
     plain = LLM(dtype="float32", max_model_len=256, generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def test_reset_prefix_cache_forgets_the_cached_prompts(llm):
+    ids = prompt(llm, "Tell me about the moon and its phases in a few words.")
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first, again = (llm.generate(ids, params)[0] for _ in range(2))
+    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.reset_prefix_cache()
+    after = llm.generate(ids, params)[0]
+    assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.llm_engine.kv_cache.check_invariants()

@@ -109,7 +109,7 @@ def recompute_generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: 
 
 
 def run_step(engine: LLMEngine, step: Step, workload: Workload, ns: argparse.Namespace) -> dict[str, Any]:
-    engine.kv_cache.reset_prefix_cache()
+    engine.reset_prefix_cache()
     batch = engine.args.max_num_seqs
     note = None
     start = clock(engine.device)

@@ -36,7 +36,7 @@ def time_tokenmill(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     speeds = []
     for _ in range(repeats):
-        engine.kv_cache.reset_prefix_cache()  # repeats must not reuse the previous run's prompts
+        engine.reset_prefix_cache()  # repeats must not reuse the previous run's prompts
         start = clock(engine.device)
         tokens = num_output_tokens(generate(engine, prompts, params))
         speeds.append(tokens / (clock(engine.device) - start))

@@ -207,7 +207,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         "batch_sizes": ns.batch_sizes, "input_len": ns.input_len, "num_steps": ns.num_steps,
         "verify_context": ns.verify_context, "verify_query_lens": ns.verify_query_lens,
         "prefill_tokens": ns.prefill_tokens})
-    engine.kv_cache.reset_prefix_cache()
+    engine.reset_prefix_cache()
     rows = [profile_decode(engine, b, ns.input_len, ns.num_steps, ns.top) for b in ns.batch_sizes]
     print_table(rows, [("batch_size", "batch"), ("wall_ms", "wall ms"), ("kernel_ms", "kernels ms"),
                        ("gap_ms", "gap ms")] + [(f"{k}_ms", k) for k in PHASES],

@@ -106,7 +106,7 @@ def triton_compiles() -> Iterator[list[str]]:
 
 def run_workload(engine: LLMEngine, workload: Workload, temperature: float) -> dict[str, Any]:
     """One timed pass over the workload; the prefix cache is emptied first so no pass reuses another's prompts."""
-    engine.kv_cache.reset_prefix_cache()
+    engine.reset_prefix_cache()
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
     preemptions = engine.scheduler.stats.num_preemptions
     steps: list[tuple[int, int, float]] = []

@@ -263,6 +263,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (vLLM's), e.g. between benchmark runs: a later prompt finds none, except in
+        the blocks that requests still running hold."""
+        self.kv_cache.reset_prefix_cache()
+
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and report one step. With async scheduling a step that needs no token value on the

@@ -28,6 +28,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (LLMEngine.reset_prefix_cache)."""
+        self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's own defaults (EngineArgs.generation_config): what generate and chat use
         when given none, and a base to change (vLLM's)."""
