@@ -54,6 +54,21 @@ def test_completion_key_is_the_prompt_beginning():
                                                                                     completion([1, 2, 4])).key
 
 
+def test_a_responses_request_routes_as_the_chat_it_renders():
+    """Its instructions and input are that chat's system and user messages: the chat's key on every turn (an
+    earlier response's output sent back included), and the chat's length."""
+    as_chat = route_info("/v1/chat/completions", chat(("system", "be brief"), ("user", "hello")))
+    first = route_info("/v1/responses",
+                       json.dumps({"model": "m", "instructions": "be brief", "input": "hello"}).encode())
+    second = route_info("/v1/responses", json.dumps({"instructions": "be brief", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+        {"role": "user", "content": "bye"}]}).encode())
+    assert as_chat.key is not None and first.key == second.key == as_chat.key
+    assert first.prompt_tokens == as_chat.prompt_tokens and first.model == "m"
+    assert route_info("/v1/responses", json.dumps({"input": "hello!"}).encode()).key != first.key
+
+
 def test_a_lone_surrogate_in_a_prompt_still_routes():
     """The backend refuses it with a 400; the router must get it there, not fail with a 500 of its own."""
     for body in (b'{"prompt": "\\ud800 hi"}', b'{"prompt": ["ok", "\\udfff"]}'):
@@ -66,6 +81,7 @@ def test_a_lone_surrogate_in_a_prompt_still_routes():
                                        ("/v1/chat/completions", b'{"messages": []}'),
                                        ("/v1/completions", b'{"prompt": [1, "a"]}'),
                                        ("/v1/completions", b'{"prompt": []}'),
+                                       ("/v1/responses", b'{"input": 5}'),
                                        ("/tokenize", b'{"prompt": "hi"}'),
                                        ("/v1/chat/completions", b"[" * 100_000)])  # too deep for json.loads
 def test_bodies_without_a_key_route_by_load_alone(path, body):

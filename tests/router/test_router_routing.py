@@ -93,6 +93,21 @@ def test_new_requests_avoid_a_busy_backend(router, client, model_name, backends)
             s.close()
 
 
+def test_responses_are_routed_as_the_same_chat(router, client, model_name, backends):
+    """A Responses request, streamed or not, goes where the chat of its instructions and input goes (while loads
+    are even: an earlier test's streams may still weigh on a backend)."""
+    urls = [b.url for b in backends]
+    assert wait_until(lambda: all(metric(router.url, "tokenmill:router_backend_load", backend=u) < 1 for u in urls))
+    for target in urls:
+        opening = openings_on(urls, target, 1, "responses", "You are brief.")[0]
+        for stream in (False, True):
+            raw = client.responses.with_raw_response.create(model=model_name, instructions="You are brief.",
+                                                            input=opening, max_output_tokens=2, stream=stream)
+            answer = raw.parse()
+            final = list(answer)[-1].response if stream else answer
+            assert raw.headers[BACKEND_HEADER] == target and final.usage.output_tokens <= 2
+
+
 @pytest.fixture(scope="module")
 def pool_router(backends):
     r = start_router("--backend", backends[0].url, "--long-backend", backends[1].url, "--long-prompt-threshold", "64")

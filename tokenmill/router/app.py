@@ -22,7 +22,7 @@ from tokenmill.router.proxy import Unreachable, forward, unavailable
 from tokenmill.serve.errors import error_response, install_error_handlers
 from tokenmill.serve.middleware import GatewayMiddleware, allow_origins, answer_head
 
-ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize")
 
 
 @dataclass

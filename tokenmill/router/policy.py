@@ -51,6 +51,18 @@ def _chat_info(messages: Any) -> RouteInfo:
     return RouteInfo(json.dumps(opening).encode(), -(-chars // CHARS_PER_TOKEN))
 
 
+def _responses_info(data: dict[str, Any]) -> RouteInfo:
+    """A Responses request is the chat of its instructions (a system message) and input (a string: one user
+    message), keyed and measured as that chat is, so that it shares a backend with the same chat's turns."""
+    messages = data.get("input")
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    instructions = data.get("instructions")
+    if isinstance(instructions, str) and isinstance(messages, list):
+        messages = [{"role": "system", "content": instructions}, *messages]
+    return _chat_info(messages)
+
+
 def _prompt_info(prompt: Any) -> tuple[bytes, int] | None:
     """surrogatepass: JSON may carry a lone surrogate ("\\ud800"), which the backend refuses with a 400 of its own."""
     if isinstance(prompt, str) and prompt:
@@ -85,6 +97,8 @@ def route_info(path: str, body: bytes) -> RouteInfo:
         info = _chat_info(data.get("messages"))
     elif path == "/v1/completions":
         info = _completion_info(data.get("prompt"))
+    elif path == "/v1/responses":
+        info = _responses_info(data)
     else:
         info = RouteInfo(None, 0)
     return dataclasses.replace(info, model=model)

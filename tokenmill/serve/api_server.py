@@ -30,6 +30,7 @@ from tokenmill.serve.protocol import (ChatCompletionChunk, ChatCompletionRequest
                                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                       ErrorResponse, HealthResponse, ModelCard, ModelList, TokenizeChatRequest,
                                       TokenizeCompletionRequest, TokenizeResponse, VersionResponse)
+from tokenmill.serve.responses_protocol import ResponsesRequest, ResponsesResponse
 from tokenmill.serve.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,17 @@ def build_app(engine: LLMEngine, config: ServerConfig, executor: ThreadPoolExecu
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         """Text completion of one prompt or a batch; `stream: true` answers with server-sent events."""
         return await serving.completion(body, request)
+
+    @app.post("/v1/responses", response_model=ResponsesResponse, tags=["openai"],
+              responses={200: {"content": {"text/event-stream": {"schema": {
+                  "type": "string", "description": "`event: <type>` and `data: <event JSON>` pairs in OpenAI's order, "
+                                                   "from response.created to response.completed (or "
+                                                   "response.incomplete, or error)"}}}},
+                         **_errors(400, 401, 404, 413, 429, 500, 503, 504)})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, text only, nothing stored: the instructions and input messages are a chat;
+        `stream: true` answers with OpenAI's typed server-sent events."""
+        return await serving.responses(body, request)
 
     card = ModelCard(id=config.model_name, created=started, root=config.model_root, max_model_len=engine.max_model_len)
 

@@ -1,5 +1,6 @@
-"""Chat completions and completions: a validated request becomes token ids, checked against the context, then
-engine requests; their outputs become one JSON response or a stream of server-sent events ending in [DONE].
+"""Chat completions, completions and responses: a validated request becomes token ids, checked against the
+context, then engine requests; their outputs become one JSON response or a stream of server-sent events (ending in
+[DONE], or for responses in the response's last state, as OpenAI's).
 
 A request whose client goes away, streaming or not, is aborted at once, so its KV blocks are freed before the next
 engine step; the disconnect is watched from the moment a handler starts, before the engine has taken the request."""
@@ -28,6 +29,8 @@ from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkCho
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       DeltaMessage, PromptLogprob, PromptLogprobs, SamplingRequest, TokenLogprob,
                                       TopLogprob, Usage)
+from tokenmill.serve.responses import ResponseEvents, finished, message_id, started
+from tokenmill.serve.responses_protocol import ResponsesRequest
 from tokenmill.tokenizer import check_chat_template_kwargs, compiled_chat_template
 
 _Req = TypeVar("_Req", bound=SamplingRequest)
@@ -359,12 +362,13 @@ class OpenAIServing:
     async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                               continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
                               chat_template: str | None = None, fits: bool = False,
-                              add_special_tokens: bool = False) -> list[int]:
+                              add_special_tokens: bool = False, what: str = "messages") -> list[int]:
         """A developer message is a system message, as OpenAI treats it (its newer name for system): most chat
         templates know system only, and SmolLM2's rendered developer as a turn of its own after its default system
         prompt. chat_template: the request's, taken only from a server that trusts them (a template is code the
         server runs; vLLM's --trust-request-chat-template). fits: a rendered chat that cannot fit the context is
-        refused before encoding (encode's). add_special_tokens: vLLM's, off for chat (the template holds a BOS)."""
+        refused before encoding (encode's). add_special_tokens: vLLM's, off for chat (the template holds a BOS).
+        what: the request's name for the messages, which an error names."""
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in messages]
         if continue_final_message and add_generation_prompt:
@@ -389,8 +393,8 @@ class OpenAIServing:
                                            continue_final_message=continue_final_message,
                                            chat_template=chat_template, chat_template_kwargs=template_vars)
         except Exception as e:
-            raise APIError(400, str(e), "messages", "chat_template_error") from e  # the tokenizer names the template
-        return await self.encode(text, add_special_tokens=add_special_tokens, fits="messages" if fits else None)
+            raise APIError(400, str(e), what, "chat_template_error") from e  # the tokenizer names the template
+        return await self.encode(text, add_special_tokens=add_special_tokens, fits=what if fits else None)
 
     @_cancel_on_disconnect
     async def chat(self, req: ChatCompletionRequest) -> Response:
@@ -474,6 +478,40 @@ class OpenAIServing:
             self._abort(streams, "error")
             yield sse_error(self._request_error(e))
             yield "data: [DONE]\n\n"
+
+    # ---- responses --------------------------------------------------------------------------
+    @_cancel_on_disconnect
+    async def responses(self, req: ResponsesRequest) -> Response:
+        """OpenAI's Responses API, text only: the instructions and input are a chat, rendered, checked and sampled
+        by chat's rules (the model's sampling defaults, max_tokens), answered as one output message."""
+        self._admit(req)
+        ids = await self.chat_prompt_ids(req.conversation_messages(), fits=req.truncate_prompt_tokens is None,
+                                         what="input")
+        if req.truncate_prompt_tokens is not None:
+            ids = truncated_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
+        max_tokens = self._max_tokens(len(ids), req.max_output_tokens, "input", "max_output_tokens")
+        params = self._sampling_params(req, max_tokens, None)
+        start = started(req, self.model_name, self._default(req, "temperature"), self._default(req, "top_p"))
+        streams = await self._add([(start.id, ids, params)], req)
+        if req.stream:
+            return EventStreamResponse(self._response_events(streams, ResponseEvents(start)),
+                                       lambda: self._abort(streams, "client_disconnect"))
+        out = (await self._collect(streams))[0]
+        return Response(finished(start, message_id(), out).model_dump_json(), media_type="application/json")
+
+    async def _response_events(self, streams: list[RequestStream], events: ResponseEvents) -> AsyncIterator[str]:
+        for event in events.opening():
+            yield event
+        try:
+            async for out in streams[0]:
+                if out.outputs[0].delta_text:
+                    yield events.delta(out.outputs[0].delta_text)
+                if out.finished:
+                    for event in events.closing(out):
+                        yield event
+        except (RequestTimeoutError, RequestFailedError) as e:
+            self._abort(streams, "error")
+            yield events.error(self._request_error(e))
 
     # ---- completions ------------------------------------------------------------------------
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
