@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import openai
@@ -115,7 +116,35 @@ def test_chat_streaming_matches_non_streaming(server, client, model_name):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [full.choices[0].finish_reason]
     assert all(c.usage is None for c in chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    last = chunks[-1]  # its prompt_tokens_details may differ: the stream's prompt was cached by the first request
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
+        full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client, model_name, stream):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: none for a prompt never seen, whole blocks of 16 for
+    its repeat (the last prompt token is always computed), in the chat and completion bodies and the last
+    streamed chunk, summed over a batch of prompts."""
+    text = f"Note {uuid.uuid4().hex}: " + "the quick brown fox jumps over the lazy dog. " * 6
+
+    def usage(**kw):
+        extra = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+        if "messages" in kw:
+            r = client.chat.completions.create(model=model_name, max_completion_tokens=1, **kw, **extra)
+        else:
+            r = client.completions.create(model=model_name, max_tokens=1, **kw, **extra)
+        return list(r)[-1].usage if stream else r.usage
+
+    first = usage(prompt=text)
+    again = usage(prompt=text)
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = again.prompt_tokens_details.cached_tokens
+    assert cached == (again.prompt_tokens - 1) // 16 * 16 and cached >= 48
+    assert usage(prompt=[text, text]).prompt_tokens_details.cached_tokens == 2 * cached
+    messages = [{"role": "user", "content": text + " (chat)"}]
+    assert usage(messages=messages).prompt_tokens_details.cached_tokens < usage(
+        messages=messages).prompt_tokens_details.cached_tokens
 
 
 @pytest.mark.parametrize("chat", [False, True])

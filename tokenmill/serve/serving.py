@@ -27,8 +27,8 @@ from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                      DeltaMessage, PromptLogprob, PromptLogprobs, SamplingRequest, TokenLogprob,
-                                      TopLogprob, Usage)
+                                      DeltaMessage, PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest,
+                                      TokenLogprob, TopLogprob, Usage)
 from tokenmill.serve.responses import ResponseEvents, finished, message_id, started
 from tokenmill.serve.responses_protocol import ResponsesRequest
 from tokenmill.tokenizer import check_chat_template_kwargs, compiled_chat_template
@@ -423,7 +423,7 @@ class OpenAIServing:
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
                    for c in out.outputs]
         body = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                      usage=self._usage(len(ids), out.outputs),
+                                      usage=self._usage(len(ids), out.outputs, out.num_cached_tokens),
                                       prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs))
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -441,15 +441,17 @@ class OpenAIServing:
 
         def chunk(choice: ChatChunkChoice, outputs: list[CompletionOutput]) -> str:
             c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice],
-                                    usage=self._usage(prompt_len, outputs) if continuous else None)
+                                    usage=self._usage(prompt_len, outputs, cached) if continuous else None)
             return f"data: {c.model_dump_json(exclude=exclude)}\n\n"
 
         started = [False] * req.n
         sent_logprobs = [0] * req.n
         echo = self._chat_echo(req)
         finished: dict[int, CompletionOutput] = {}  # by index: the engine reports a finished choice at every step
+        cached = 0
         try:                                          # until the whole group ends
             async for _, out in _merge(streams):
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     if c.index in finished:
                         continue
@@ -471,7 +473,7 @@ class OpenAIServing:
                         finished[c.index] = c
             if include_usage:
                 usage = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
-                                            usage=self._usage(prompt_len, list(finished.values())))
+                                            usage=self._usage(prompt_len, list(finished.values()), cached))
                 yield _event(usage)
             yield "data: [DONE]\n\n"
         except (RequestTimeoutError, RequestFailedError) as e:
@@ -571,7 +573,8 @@ class OpenAIServing:
                         self._echoed_logprobs(req, out) + c.logprobs, 0, req.logprobs, out.prompt_token_ids[0]),
                     prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs)))
         body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                  usage=self._usage(prompt_len, completions))
+                                  usage=self._usage(prompt_len, completions,
+                                                    sum(out.num_cached_tokens for out in outs)))
         return Response(body.model_dump_json(), media_type="application/json")
 
     @staticmethod
@@ -604,9 +607,11 @@ class OpenAIServing:
         sent_logprobs: dict[int, int] = {}
         text_len: dict[int, int] = {}
         echoed: set[int] = set()
+        cached: dict[int, int] = {}  # by prompt: its tokens the prefix cache served
         finished: dict[int, CompletionOutput] = {}  # by index: the engine reports a finished choice at every step
         try:                                          # until the whole group ends
             async for i, out in _merge(streams):
+                cached[i] = out.num_cached_tokens
                 for c in self._shown_outputs(req, out):
                     index = i * req.n + c.index
                     if index in finished:
@@ -626,7 +631,8 @@ class OpenAIServing:
                         echoed.add(index)
                         choice = CompletionChoice(index=index, text=prefix + c.delta_text, logprobs=lps,
                                                   finish_reason=c.finish_reason)
-                        usage = self._usage(len(out.prompt_token_ids), [c]) if continuous else None
+                        usage = self._usage(len(out.prompt_token_ids), [c], out.num_cached_tokens) \
+                            if continuous else None
                         body = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
                                                   usage=usage)
                         yield f"data: {body.model_dump_json(exclude=exclude)}\n\n"
@@ -634,7 +640,8 @@ class OpenAIServing:
                         finished[index] = c
             if include_usage:
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
-                                                usage=self._usage(prompt_len, list(finished.values()))))
+                                                usage=self._usage(prompt_len, list(finished.values()),
+                                                                  sum(cached.values()))))
             yield "data: [DONE]\n\n"
         except (RequestTimeoutError, RequestFailedError) as e:
             self._abort(streams, "error")
@@ -648,6 +655,8 @@ class OpenAIServing:
         return include, include and req.stream_options.continuous_usage_stats
 
     @staticmethod
-    def _usage(prompt_len: int, outputs: list[CompletionOutput]) -> Usage:
+    def _usage(prompt_len: int, outputs: list[CompletionOutput], cached: int) -> Usage:
+        """cached: prompt tokens the prefix cache served (OpenAI's prompt_tokens_details.cached_tokens)."""
         completion = sum(len(c.token_ids) for c in outputs)
-        return Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
+        return Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
