@@ -61,7 +61,7 @@ _HELP = {
 }
 
 
-DEVICE_DEFAULTS = ("max_num_batched_tokens",)
+DEVICE_DEFAULTS = ("max_num_batched_tokens",)  # flags whose default some commands choose by device
 
 
 def json_object(value: str) -> dict[str, typing.Any]:
@@ -73,7 +73,7 @@ def json_object(value: str) -> dict[str, typing.Any]:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, such as '{{\"temperature\": 0.5}}'; got "
                                          f"{value!r}")
-    return parsed  # flags whose default some commands choose by device
+    return parsed
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

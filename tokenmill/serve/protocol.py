@@ -253,7 +253,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=lambda: PromptTokensDetails(cached_tokens=0))
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatCompletionResponse(BaseModel):

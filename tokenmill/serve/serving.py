@@ -493,7 +493,7 @@ class OpenAIServing:
             ids = truncated_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
         max_tokens = self._max_tokens(len(ids), req.max_output_tokens, "input", "max_output_tokens")
         params = self._sampling_params(req, max_tokens, None)
-        start = started(req, self.model_name, self._default(req, "temperature"), self._default(req, "top_p"))
+        start = started(req, self.model_name, params.temperature, params.top_p)
         streams = await self._add([(start.id, ids, params)], req)
         if req.stream:
             return EventStreamResponse(self._response_events(streams, ResponseEvents(start)),
